@@ -1,0 +1,89 @@
+"""A causal LM behind a KV cache that can be rolled back by length.
+
+Both decode loops talk to models only through `ModelRunner`:
+  forward(ids, num_logits) -> fp32 logits [num_logits, vocab_size] for the last positions
+  rollback(length)         -> forget every cached token from position `length` on
+The invariant the loops keep: runner.length == committed tokens - 1 (the last committed
+token is fed on the next call).
+
+Draft vocabulary subsets: a draft whose config carries `draft_vocab_ids` (N ids of the
+full vocabulary) has an embedding/head of N + 1 rows; input ids outside the subset map
+to row N ("other"), and its output logits are scattered back to the full vocabulary with
+-inf elsewhere, so the draft gives probability 0 outside the subset and the acceptance
+rule stays exact.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+class ModelRunner:
+    """Hugging Face forward with a DynamicCache (any causal LM)."""
+
+    def __init__(self, model: torch.nn.Module, vocab_size: int):
+        self.model = model
+        self.vocab_size = vocab_size
+        self.device = next(model.parameters()).device
+        subset = getattr(model.config, "draft_vocab_ids", None)
+        self.subset_ids = None
+        self.input_map = None
+        if subset:
+            self.subset_ids = torch.tensor(subset, dtype=torch.long, device=self.device)
+            # full id -> row of the draft's embedding; ids outside the subset -> "other" row N
+            self.input_map = torch.full((vocab_size,), len(subset), dtype=torch.long, device=self.device)
+            self.input_map[self.subset_ids] = torch.arange(len(subset), device=self.device)
+        self.max_length = getattr(model.config, "max_position_embeddings", None) or 10**9
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = DynamicCache()
+        self.length = 0
+
+    def rollback(self, length: int) -> None:
+        """Drop cached positions >= length (transformers 5: crop takes a negative count)."""
+        assert 0 <= length <= self.length, (length, self.length)
+        if length < self.length:
+            self.cache.crop(length - self.length)
+            self.length = length
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, num_logits: int = 1) -> torch.Tensor:
+        """Feed ids [n] at positions length..length+n-1; return logits [num_logits, vocab_size]."""
+        ids = ids.to(self.device)
+        model_ids = self.input_map[ids] if self.input_map is not None else ids
+        out = self.model(input_ids=model_ids[None], cache=self.cache, use_cache=True,
+                         logits_to_keep=num_logits)
+        self.length += ids.shape[0]
+        return self._to_full_vocab(out.logits[0, -num_logits:].float())
+
+    def _to_full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.subset_ids is None:
+            # Padded embedding rows beyond the shared vocabulary are sliced away.
+            return logits[:, : self.vocab_size]
+        full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+        full[:, self.subset_ids] = logits[:, : self.subset_ids.shape[0]]
+        return full
+
+
+def model_vocab_size(model: torch.nn.Module) -> int:
+    """Size of the full vocabulary a model speaks (a subset draft speaks the full one through its map)."""
+    subset = getattr(model.config, "draft_vocab_ids", None)
+    if subset:
+        return int(getattr(model.config, "full_vocab_size"))
+    return int(model.get_output_embeddings().weight.shape[0])
+
+
+def make_runner(model: torch.nn.Module, vocab_size: int, backend: str = "auto") -> ModelRunner:
+    """Pick the runner for a model. 'hf' always uses the Hugging Face forward."""
+    if backend in ("auto", "lean"):
+        from decode.lean import LeanLlamaRunner, lean_supported
+
+        if lean_supported(model):
+            return LeanLlamaRunner(model, vocab_size)
+        if backend == "lean":
+            raise ValueError(f"the lean runner does not support {type(model).__name__}")
+    elif backend != "hf":
+        raise ValueError(f"unknown backend {backend!r}; use 'auto', 'lean' or 'hf'")
+    return ModelRunner(model, vocab_size)

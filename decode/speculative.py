@@ -1,0 +1,169 @@
+"""Target-only and speculative decoding (batch 1), sharing one cache path and one sampler.
+
+Speculative step (Leviathan et al. 2023; Chen et al. 2023):
+  1. the draft samples d_1..d_k, each from draft_probs_i = warp(draft logits)
+  2. the target scores [last committed, d_1..d_k] in one forward -> target_probs_0..k
+  3. for i = 1..k: accept d_i with probability min(1, target_probs_i[d_i] / draft_probs_i[d_i]);
+     on the first rejection emit a token from norm(max(0, target_probs_i - draft_probs_i)) and stop;
+     if all k are accepted emit a bonus token from target_probs_k.
+Every emitted token is then distributed exactly as target-only sampling would give it.
+With temperature 0 both distributions are one-hot, so this reduces to "accept while the
+draft's argmax equals the target's" — exact greedy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from decode.runner import ModelRunner, make_runner, model_vocab_size
+from decode.sampling import sample, warp_probs
+from decode.stats import SpeculativeStats
+
+
+@dataclass
+class SpeculativeOutput:
+    tokens: torch.Tensor
+    """New tokens, 1-D LongTensor (prompt excluded)."""
+    stats: SpeculativeStats
+
+
+def _check_inputs(input_ids: torch.Tensor, max_new_tokens: int, temperature: float, top_p: float,
+                  runners: list[ModelRunner]) -> None:
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"input_ids must have shape [1, L], got {list(input_ids.shape)}")
+    if input_ids.shape[1] == 0:
+        raise ValueError("input_ids is empty: at least one prompt token is needed")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    needed = input_ids.shape[1] + max_new_tokens
+    for runner in runners:
+        if needed > runner.max_length:
+            raise ValueError(f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) "
+                             f"exceeds the model's context of {runner.max_length} tokens")
+
+
+def _shared_vocab(*models) -> int:
+    return min(model_vocab_size(m) for m in models)
+
+
+def _cut_at_eos(tokens: list[int], eos_token_id) -> tuple[list[int], bool]:
+    if eos_token_id is None:
+        return tokens, False
+    eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1], True
+    return tokens, False
+
+
+def _feed(runner: ModelRunner, committed: list[int], extra: list[int], num_logits: int) -> torch.Tensor:
+    """Feed the committed tokens the runner has not seen yet, then `extra`."""
+    ids = torch.tensor(committed[runner.length:] + extra, dtype=torch.long)
+    return runner.forward(ids, num_logits)
+
+
+def generate(target, input_ids: torch.Tensor, *, max_new_tokens: int, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, eos_token_id=None,
+             generator: torch.Generator | None = None, backend: str = "auto",
+             target_runner: ModelRunner | None = None) -> torch.Tensor:
+    """Target-only decoding: the baseline speculative decoding is measured against.
+
+    Returns the new tokens as a 1-D LongTensor. Same runner and sampler as
+    `speculative_generate`.
+    """
+    runner = target_runner or make_runner(target, _shared_vocab(target), backend)
+    _check_inputs(input_ids, max_new_tokens, temperature, top_p, [runner])
+    runner.reset()
+    committed = input_ids[0].tolist()
+    prompt_len = len(committed)
+    new: list[int] = []
+    while len(new) < max_new_tokens:
+        logits = _feed(runner, committed, [], 1)[0]
+        token = int(sample(warp_probs(logits, temperature, top_k, top_p), generator))
+        new.append(token)
+        committed.append(token)
+        if _cut_at_eos([token], eos_token_id)[1]:
+            break
+    assert len(committed) - prompt_len == len(new)
+    return torch.tensor(new, dtype=torch.long)
+
+
+def speculative_generate(target, draft, input_ids: torch.Tensor, *, k: int, max_new_tokens: int,
+                         temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                         eos_token_id=None, generator: torch.Generator | None = None,
+                         backend: str = "auto", target_runner: ModelRunner | None = None,
+                         draft_runner: ModelRunner | None = None) -> SpeculativeOutput:
+    """Lossless speculative decoding: output distributed exactly as `generate(target, ...)`.
+
+    `target` and `draft` are Hugging Face causal LMs sharing a tokenizer; input_ids is [1, L].
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    vocab = _shared_vocab(target, draft)
+    target_runner = target_runner or make_runner(target, vocab, backend)
+    draft_runner = draft_runner or make_runner(draft, vocab, backend)
+    _check_inputs(input_ids, max_new_tokens, temperature, top_p, [target_runner, draft_runner])
+    target_runner.reset()
+    draft_runner.reset()
+    warp = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    rng_device = generator.device if generator is not None else target_runner.device
+
+    committed = input_ids[0].tolist()
+    prompt_len = len(committed)
+    stats = SpeculativeStats(k=k)
+    # Prefill both caches with all but the last prompt token.
+    if prompt_len > 1:
+        _feed(target_runner, committed[:-1], [], 1)
+        _feed(draft_runner, committed[:-1], [], 1)
+
+    while len(committed) - prompt_len < max_new_tokens:
+        remaining = max_new_tokens - (len(committed) - prompt_len)
+        k_block = min(k, remaining - 1)  # a block emits up to k_block + 1 tokens
+
+        drafted: list[int] = []
+        draft_probs = []  # each [V]: the distribution drafted[i] was sampled from
+        for _ in range(k_block):
+            logits = _feed(draft_runner, committed, drafted[-1:] if drafted else [], 1)[0]
+            probs = warp_probs(logits, **warp)
+            drafted.append(int(sample(probs, generator)))
+            draft_probs.append(probs)
+
+        # One target forward over [unseen committed..., d_1..d_k]; keep the last k_block + 1 rows.
+        target_logits = _feed(target_runner, committed, drafted, k_block + 1)  # [k_block+1, V]
+        target_probs = warp_probs(target_logits, **warp)
+
+        emitted: list[int] = []
+        for i, token in enumerate(drafted):
+            accept_prob = min(1.0, float(target_probs[i, token] / draft_probs[i][token]))
+            if float(torch.rand((), generator=generator, device=rng_device)) < accept_prob:
+                emitted.append(token)
+                continue
+            residual = torch.clamp(target_probs[i] - draft_probs[i], min=0.0)
+            # residual.sum() == 0 only when target_probs == draft_probs, where rejection cannot happen.
+            emitted.append(int(sample(residual / residual.sum(), generator)))
+            break
+        else:
+            emitted.append(int(sample(target_probs[k_block], generator)))  # bonus token
+        accepted = len(emitted) - 1 if len(emitted) <= len(drafted) else len(drafted)
+        tried = min(len(drafted), accepted + 1)
+
+        emitted, hit_eos = _cut_at_eos(emitted, eos_token_id)
+        committed.extend(emitted)
+        # An EOS inside the block ends it: positions after the EOS were never really tested.
+        stats.record_block(tried=min(tried, len(emitted)), accepted=min(accepted, len(emitted)),
+                           emitted=len(emitted))
+
+        # Roll both caches back to "everything committed but the last token".
+        target_runner.rollback(min(target_runner.length, len(committed) - 1))
+        draft_runner.rollback(min(draft_runner.length, len(committed) - 1))
+        if hit_eos:
+            break
+
+    assert len(committed) - prompt_len <= max_new_tokens
+    return SpeculativeOutput(tokens=torch.tensor(committed[prompt_len:], dtype=torch.long), stats=stats)

@@ -1,0 +1,85 @@
+"""Acceptance accounting. The accept-length histogram is the single source of truth:
+alpha, tau and mean accepted length all derive from it and from per-position counts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpeculativeStats:
+    k: int
+    proposed: int = 0
+    """Draft tokens offered to the target (k per block, fewer near max_new_tokens)."""
+    accepted: int = 0
+    """Draft tokens the target kept. The residual/bonus token is never counted here."""
+    emitted: int = 0
+    """Tokens returned to the caller (accepted + one residual or bonus per block, cut at EOS/max)."""
+    target_forwards: int = 0
+    """Target forward passes after the prompt prefill (one per block)."""
+    position_tried: list[int] = field(default_factory=list)
+    """position_tried[i]: blocks whose draft token at position i reached the accept test."""
+    position_accepted: list[int] = field(default_factory=list)
+    accept_length_hist: list[int] = field(default_factory=list)
+    """accept_length_hist[a]: blocks in which exactly a drafted tokens were accepted."""
+
+    def __post_init__(self):
+        if not self.position_tried:
+            self.position_tried = [0] * self.k
+            self.position_accepted = [0] * self.k
+            self.accept_length_hist = [0] * (self.k + 1)
+
+    def record_block(self, tried: int, accepted: int, emitted: int) -> None:
+        """One verify pass: `tried` positions tested, the first `accepted` of them kept."""
+        self.proposed += tried
+        self.accepted += accepted
+        self.emitted += emitted
+        self.target_forwards += 1
+        for i in range(tried):
+            self.position_tried[i] += 1
+        for i in range(accepted):
+            self.position_accepted[i] += 1
+        self.accept_length_hist[accepted] += 1
+
+    @property
+    def alpha(self) -> float:
+        """Acceptance rate: accepted / proposed."""
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def tau(self) -> float:
+        """Tokens emitted per target forward pass."""
+        return self.emitted / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        """P(accept at position i | reached position i)."""
+        return [a / t if t else 0.0 for a, t in zip(self.position_accepted, self.position_tried)]
+
+    def merge(self, other: "SpeculativeStats") -> "SpeculativeStats":
+        assert other.k == self.k
+        return SpeculativeStats(
+            k=self.k, proposed=self.proposed + other.proposed, accepted=self.accepted + other.accepted,
+            emitted=self.emitted + other.emitted, target_forwards=self.target_forwards + other.target_forwards,
+            position_tried=[a + b for a, b in zip(self.position_tried, other.position_tried)],
+            position_accepted=[a + b for a, b in zip(self.position_accepted, other.position_accepted)],
+            accept_length_hist=[a + b for a, b in zip(self.accept_length_hist, other.accept_length_hist)])
+
+    def to_dict(self) -> dict:
+        return {"k": self.k, "proposed": self.proposed, "accepted": self.accepted, "emitted": self.emitted,
+                "target_forwards": self.target_forwards, "alpha": self.alpha, "tau": self.tau,
+                "per_position_acceptance": self.per_position_acceptance,
+                "accept_length_hist": self.accept_length_hist}
+
+
+def expected_tau(alpha: float, k: int) -> float:
+    """Tokens per target forward for i.i.d. acceptance alpha: (1 - alpha^(k+1)) / (1 - alpha)."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def predicted_speedup(tau: float, k: int, c: float, r: float) -> float:
+    """Speedup over target-only decoding: tau / (k*c + r(k)), with c = draft/target step latency
+    and r(k) = cost of one target forward over k+1 tokens / one decode step."""
+    return tau / (k * c + r)
