@@ -41,8 +41,9 @@ class GenerateConfig:
     mode: str = "generate"
     """'generate' samples completions; 'score' runs the target teacher-forced over existing text."""
     sources: list[str] = field(default_factory=lambda: ["embedded"])
-    """Prompt sources: 'embedded' (wheel-shipped chat/math/writing prompts), 'humaneval', 'gsm8k',
-    a local .jsonl/.parquet/.csv file, or 'hf:<dataset name>'."""
+    """Prompt sources: 'embedded' (wheel-shipped chat/math/writing prompts), 'persistbench', 'freshqa',
+    'writingbench', 'gsm8k', 'humaneval', a local .jsonl/.parquet/.csv file, or 'hf:<dataset name>'.
+    Score mode scores their raw text (no chat template)."""
     text_field: str = "prompt"
     """Field holding the prompt text in local files and HF datasets."""
     system_prompt: str | None = None
@@ -56,15 +57,23 @@ class GenerateConfig:
     top_p: float = 0.95
     top_k: int = 0
     samples_per_prompt: int = 1
-    batch_size: int = 32
+    """Completions per prompt, each with its own seed stream."""
+    batch_size: int = 128
+    """Rows sampled together; large batches keep the CPU's GEMMs efficient (results do not depend on it)."""
+    max_batch_tokens: int = 32768
+    """Cap on rows x (prompt + new tokens) per batch: bounds the KV cache (SmolLM2 fp32: 46 KB/token)."""
     shard_size: int = 256
     """Rows per Parquet shard; a shard is the unit of resumption."""
     teacher_topk: int = 0
     """Store the target's top-k token ids and logprobs (temperature 1) per completion token; 0 = off."""
     max_prompt_tokens: int = 1024
     """Prompts longer than this (after the chat template) are skipped and reported."""
+    dtype: str = "float32"
+    """Target weights and activations: 'float32' or 'bfloat16' (faster on GPUs; slower for batches on CPU)."""
     backend: str = "auto"
-    """'auto' uses the lean static-cache Llama runner when it applies, 'hf' forces model.generate-free HF forwards."""
+    """'auto' uses the lean batched Llama runner when it applies, 'lean' requires it, 'hf' forces HF forwards."""
+    stop_after_shards: int = 0
+    """Stop each rank after writing this many shards (0 = finish); a rerun resumes. For time-boxed runs and tests."""
 
 
 @dataclass
@@ -112,7 +121,16 @@ class DistillConfig:
     precision: str = "auto"
     """'auto' (bf16 on GPU, fp32 on CPU), 'fp32' or 'bf16'."""
     deepspeed_config: str | None = None
-    """Path to a DeepSpeed JSON config (ZeRO-2/3); None uses plain DDP."""
+    """Path to a DeepSpeed JSON config (ZeRO-2/3); None uses plain DDP (FSDP: `accelerate launch
+    --config_file configs/fsdp.yaml`)."""
+    resume: bool = True
+    """Continue from the latest complete checkpoint in out_dir/checkpoints when there is one."""
+    keep_checkpoints: int = 2
+    """Keep only the newest N complete checkpoints (0 = keep all)."""
+    stop_after: int = 0
+    """Save and exit (as on SIGTERM) after this many steps in this invocation: chunked jobs, tests (0 = off)."""
+    tau_k: int = 4
+    """Draft length k for the τ implied by the held-out α (decode.stats.expected_tau)."""
 
 
 @dataclass
@@ -137,6 +155,10 @@ class EvalConfig:
     """Measure the verification cost r(k) for k = 1..r_max_k."""
     backend: str = "auto"
     """'auto' uses the lean Llama runner when it applies; 'hf' forces HF forwards with DynamicCache."""
+    dtype: str = "auto"
+    """'auto' (bf16 on GPU, fp32 on CPU), 'fp32' or 'bf16'."""
+    hf_ks: list[int] = field(default_factory=lambda: [4])
+    """k values for the HF assisted-generation and prompt-lookup comparisons."""
 
 
 @dataclass
@@ -170,7 +192,7 @@ class Config:
         for t in self.eval.temperatures:
             if t < 0:
                 problems.append(f"eval.temperatures: {t} < 0; temperature must be >= 0")
-        for k in self.eval.ks:
+        for k in self.eval.ks + self.eval.hf_ks:
             if k <= 0:
                 problems.append(f"eval.ks: k={k}; the draft length k must be >= 1")
         if self.generate.mode not in ("generate", "score"):
@@ -188,6 +210,8 @@ class Config:
         for name in ("batch_size", "shard_size", "samples_per_prompt", "max_new_tokens"):
             if getattr(self.generate, name) <= 0:
                 problems.append(f"generate.{name} must be >= 1")
+        if self.eval.dtype not in ("auto", "fp32", "bf16"):
+            problems.append(f"eval.dtype: {self.eval.dtype!r} is not 'auto', 'fp32' or 'bf16'")
         if self.eval.max_new_tokens <= 0:
             problems.append("eval.max_new_tokens must be >= 1")
         if problems:

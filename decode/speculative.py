@@ -68,6 +68,30 @@ def _feed(runner: ModelRunner, committed: list[int], extra: list[int], num_logit
     return runner.forward(ids, num_logits)
 
 
+def verify_block(drafted: list[int], draft_probs: list[torch.Tensor], target_probs: torch.Tensor,
+                 generator: torch.Generator | None = None) -> tuple[list[int], int]:
+    """The acceptance rule. Returns (emitted tokens, number of drafted tokens accepted).
+
+    drafted[i] was sampled from draft_probs[i] [V]; target_probs [len(drafted)+1, V] is the
+    target's warped distribution at each drafted position plus one more for the bonus token.
+    """
+    rng_device = generator.device if generator is not None else target_probs.device
+    emitted: list[int] = []
+    for i, token in enumerate(drafted):
+        # Accept with probability min(1, target/draft). draft_probs[i][token] > 0: it was sampled.
+        accept_prob = min(1.0, float(target_probs[i, token] / draft_probs[i][token]))
+        if float(torch.rand((), generator=generator, device=rng_device)) < accept_prob:
+            emitted.append(token)
+            continue
+        # Rejected: resample from the part of the target the draft under-covers.
+        # residual.sum() == 0 only when target_probs == draft_probs, where rejection cannot happen.
+        residual = torch.clamp(target_probs[i] - draft_probs[i], min=0.0)
+        emitted.append(int(sample(residual / residual.sum(), generator)))
+        return emitted, i
+    emitted.append(int(sample(target_probs[len(drafted)], generator)))  # all accepted: bonus token
+    return emitted, len(drafted)
+
+
 def generate(target, input_ids: torch.Tensor, *, max_new_tokens: int, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, eos_token_id=None,
              generator: torch.Generator | None = None, backend: str = "auto",
@@ -112,7 +136,6 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, *, k: int, max_
     target_runner.reset()
     draft_runner.reset()
     warp = dict(temperature=temperature, top_k=top_k, top_p=top_p)
-    rng_device = generator.device if generator is not None else target_runner.device
 
     committed = input_ids[0].tolist()
     prompt_len = len(committed)
@@ -138,19 +161,7 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, *, k: int, max_
         target_logits = _feed(target_runner, committed, drafted, k_block + 1)  # [k_block+1, V]
         target_probs = warp_probs(target_logits, **warp)
 
-        emitted: list[int] = []
-        for i, token in enumerate(drafted):
-            accept_prob = min(1.0, float(target_probs[i, token] / draft_probs[i][token]))
-            if float(torch.rand((), generator=generator, device=rng_device)) < accept_prob:
-                emitted.append(token)
-                continue
-            residual = torch.clamp(target_probs[i] - draft_probs[i], min=0.0)
-            # residual.sum() == 0 only when target_probs == draft_probs, where rejection cannot happen.
-            emitted.append(int(sample(residual / residual.sum(), generator)))
-            break
-        else:
-            emitted.append(int(sample(target_probs[k_block], generator)))  # bonus token
-        accepted = len(emitted) - 1 if len(emitted) <= len(drafted) else len(drafted)
+        emitted, accepted = verify_block(drafted, draft_probs, target_probs, generator)
         tried = min(len(drafted), accepted + 1)
 
         emitted, hit_eos = _cut_at_eos(emitted, eos_token_id)

@@ -1,0 +1,284 @@
+"""`make eval-speedup`: measure acceptance and wall-clock speedup of speculative decoding.
+
+    python -m decode.bench --config configs/smollm2.yaml [key.sub=value ...]
+
+Setup (config, prompts, models, tokenizer check) -> warm-up -> cost model (c, r(k)) ->
+for each temperature and prompt: target-only, then speculative for every k, interleaved in
+one process on the same runners -> HF generate comparisons -> report.json / report.md /
+plots / samples.jsonl (+ W&B).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from decode.config import Config, ConfigError, cli_config, config_to_dict
+from decode.hf_baselines import FullVocabDraft, hf_generate
+from decode.models import check_tokenizers, load_model, load_tokenizer, param_count, resolve_device
+from decode.prompts import load_prompt_set, read_split_prompts
+from decode.report import write_markdown, write_plots
+from decode.runner import make_runner, model_vocab_size
+from decode.speculative import generate, speculative_generate
+from decode.stats import SpeculativeStats, predicted_speedup
+from decode.timing import cost_model, timed
+from decode.tracking import start_wandb
+
+
+def eval_prompts(cfg: Config, tokenizer, context_length: int) -> dict[str, list]:
+    """Prompt sets by name. 'data:eval' is the held-out split of generate.out_dir (never trained on)."""
+    sets = {}
+    for source in cfg.eval.prompts:
+        if source.startswith("data:"):
+            split = source.split(":", 1)[1]
+            data_dir = Path(cfg.generate.out_dir)
+            if not any(data_dir.glob("shard-*.parquet")):
+                raise ConfigError(f"eval.prompts: {source!r} needs generate-data shards in {data_dir}; "
+                                  "run `make generate-data` first or list another prompt source")
+            prompts = read_split_prompts(data_dir, split, tokenizer)
+            name = f"{Path(cfg.generate.out_dir).name}:{split}"
+        else:
+            prompts = load_prompt_set(source, tokenizer, split="eval", system_prompt=cfg.generate.system_prompt,
+                                      max_new_tokens=cfg.eval.max_new_tokens, context_length=context_length,
+                                      eval_fraction=cfg.generate.eval_fraction)
+            name = source
+        fits = [p for p in prompts if len(p.token_ids) + cfg.eval.max_new_tokens <= context_length]
+        if not fits:
+            raise ConfigError(f"eval.prompts: no usable prompts in {source!r}")
+        sets[name] = fits[: cfg.eval.num_prompts]
+    return sets
+
+
+def git_sha() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True, cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpu = platform.processor() or "cpu"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {torch.get_num_threads()} threads"
+
+
+def prompt_seed(seed: int, prompt_id: str, temperature: float) -> int:
+    return int(hashlib.sha256(f"{seed}:{prompt_id}:{temperature}".encode()).hexdigest()[:12], 16)
+
+
+def aggregate(runs: list[dict], cost: dict) -> list[dict]:
+    """One row per (prompt set, temperature, k): pooled tokens/s and merged acceptance statistics."""
+    rows = []
+    keys = sorted({(r["prompt_set"], r["temperature"], r["k"]) for r in runs})
+    for prompt_set, temperature, k in keys:
+        group = [r for r in runs if (r["prompt_set"], r["temperature"], r["k"]) == (prompt_set, temperature, k)]
+        stats = SpeculativeStats(k=k)
+        for r in group:
+            stats = stats.merge(SpeculativeStats(**{f: r["stats"][f] for f in (
+                "k", "proposed", "accepted", "emitted", "target_forwards", "position_tried",
+                "position_accepted", "accept_length_hist")}))
+        base_tok_s = sum(r["baseline_tokens"] for r in group) / sum(r["baseline_s"] for r in group)
+        spec_tok_s = sum(r["speculative_tokens"] for r in group) / sum(r["speculative_s"] for r in group)
+        predicted = predicted_speedup(stats.tau, k, cost["c"], cost["r"][k]) if k in cost["r"] else None
+        speedup = spec_tok_s / base_tok_s
+        greedy = [r["greedy_identical"] for r in group if r["greedy_identical"] is not None]
+        rows.append({
+            "prompt_set": prompt_set, "temperature": temperature, "k": k, "n_prompts": len(group),
+            "alpha": stats.alpha, "tau": stats.tau, "per_position_acceptance": stats.per_position_acceptance,
+            "accept_length_hist": stats.accept_length_hist,
+            "baseline_tok_s": base_tok_s, "speculative_tok_s": spec_tok_s, "speedup": speedup,
+            "speedup_per_prompt": {"median": statistics.median(r["speedup"] for r in group),
+                                   "min": min(r["speedup"] for r in group), "max": max(r["speedup"] for r in group)},
+            "predicted_speedup": predicted,
+            "measured_over_predicted": speedup / predicted if predicted else None,
+            "greedy_identical": all(greedy) if greedy else None,
+        })
+    return rows
+
+
+def verdict(results: list[dict]) -> str:
+    best = max(results, key=lambda r: r["speedup"])
+    if best["speedup"] > 1.05:
+        return (f"GO: this draft speeds up this target here by {best['speedup']:.2f}× at k={best['k']} "
+                f"(T={best['temperature']}, {best['prompt_set']}; α={best['alpha']:.2f}, τ={best['tau']:.2f}).")
+    return (f"NO-GO: best measured speedup {best['speedup']:.2f}× (k={best['k']}, T={best['temperature']}, "
+            f"{best['prompt_set']}); target-only decoding is as fast or faster here.")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    cfg = cli_config(argv, "Measure speculative-decoding acceptance and wall-clock speedup; write a report.")
+    cfg.check_model_refs("target", "draft")
+    ev = cfg.eval
+    out_dir = Path(ev.out_dir or Path(cfg.distill.out_dir) / "eval")
+    device = resolve_device(cfg.device)
+    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
+             "fp32": torch.float32, "bf16": torch.bfloat16}[ev.dtype]
+
+    tokenizer = load_tokenizer(cfg.target)
+    check_tokenizers(tokenizer, load_tokenizer(cfg.draft))
+    target = load_model(cfg.target, device, dtype)
+    draft = load_model(cfg.draft, device, dtype)
+    target_params, draft_params = param_count(target), param_count(draft)
+    if draft_params >= target_params:
+        warnings.warn(f"the draft ({draft_params:,} params) is not smaller than the target ({target_params:,})")
+    context_length = min(getattr(m.config, "max_position_embeddings", 10**9) for m in (target, draft))
+    prompt_sets = eval_prompts(cfg, tokenizer, context_length)
+
+    vocab = min(model_vocab_size(target), model_vocab_size(draft))
+    target_runner = make_runner(target, vocab, ev.backend)
+    draft_runner = make_runner(draft, vocab, ev.backend)
+    eos = tokenizer.eos_token_id
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tracker = start_wandb(cfg.wandb.mode, cfg.wandb.project, f"{cfg.name}-eval", out_dir,
+                          config_to_dict(cfg), job_type="eval-speedup")
+
+    # Warm-up: first calls allocate caches and pick kernels; never timed.
+    first = torch.tensor([next(iter(prompt_sets.values()))[0].token_ids])
+    for _ in range(ev.warmup):
+        generate(target, first, max_new_tokens=8, target_runner=target_runner)
+        speculative_generate(target, draft, first, k=max(ev.ks), max_new_tokens=8,
+                             target_runner=target_runner, draft_runner=draft_runner)
+    cost = cost_model(target_runner, draft_runner, list(first[0].tolist()), ev.r_max_k)
+
+    n_prompts = sum(len(p) for p in prompt_sets.values())
+    progress = tqdm(total=n_prompts * len(ev.temperatures) * (1 + len(ev.ks)), desc="eval-speedup",
+                    dynamic_ncols=True)
+    runs, samples = [], []
+    for temperature in ev.temperatures:
+        sampling = dict(temperature=temperature, top_k=ev.top_k, top_p=ev.top_p, eos_token_id=eos)
+        for set_name, prompts in prompt_sets.items():
+            for prompt in prompts:
+                input_ids = torch.tensor([prompt.token_ids], device=device)
+                seed = prompt_seed(cfg.seed, prompt.prompt_id, temperature)
+                base_s: list[float] = []
+                with timed(device, base_s):
+                    base = generate(target, input_ids, max_new_tokens=ev.max_new_tokens, target_runner=target_runner,
+                                    generator=torch.Generator(device).manual_seed(seed), **sampling)
+                progress.update(1)
+                samples.append({"prompt_set": set_name, "prompt_id": prompt.prompt_id, "temperature": temperature,
+                                "method": "target-only", "text": tokenizer.decode(base)})
+                for k in ev.ks:
+                    spec_s: list[float] = []
+                    with timed(device, spec_s):
+                        out = speculative_generate(target, draft, input_ids, k=k, max_new_tokens=ev.max_new_tokens,
+                                                   target_runner=target_runner, draft_runner=draft_runner,
+                                                   generator=torch.Generator(device).manual_seed(seed + k),
+                                                   **sampling)
+                    progress.update(1)
+                    speedup = (len(out.tokens) / spec_s[0]) / (len(base) / base_s[0])
+                    runs.append({"prompt_set": set_name, "prompt_id": prompt.prompt_id, "temperature": temperature,
+                                 "k": k, "prompt_tokens": len(prompt.token_ids),
+                                 "baseline_tokens": len(base), "baseline_s": base_s[0],
+                                 "speculative_tokens": len(out.tokens), "speculative_s": spec_s[0],
+                                 "speedup": speedup, "stats": {**out.stats.to_dict(),
+                                                               "position_tried": out.stats.position_tried,
+                                                               "position_accepted": out.stats.position_accepted},
+                                 "greedy_identical": out.tokens.tolist() == base.tolist() if temperature == 0 else None})
+                    samples.append({"prompt_set": set_name, "prompt_id": prompt.prompt_id, "temperature": temperature,
+                                    "method": f"speculative k={k}", "text": tokenizer.decode(out.tokens)})
+                    progress.set_postfix(speedup=f"{speedup:.2f}", alpha=f"{out.stats.alpha:.2f}")
+    progress.close()
+    results = aggregate(runs, cost)
+    hf_rows = hf_comparisons(cfg, target, draft, prompt_sets, results, eos, device, vocab) if ev.hf_baselines else []
+
+    report = {
+        "command": " ".join(["python -m decode.bench"] + (argv if argv is not None else sys.argv[1:])),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": device_description(device), "git_sha": git_sha(), "backend": type(target_runner).__name__,
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": __import__("transformers").__version__},
+        "config": config_to_dict(cfg), "max_new_tokens": ev.max_new_tokens,
+        "target": {"ref": cfg.target, "params": target_params},
+        "draft": {"ref": cfg.draft, "params": draft_params, "param_ratio": draft_params / target_params,
+                  "vocab_subset": len(getattr(draft.config, "draft_vocab_ids", None) or []) or None},
+        "prompt_sets": {name: [p.prompt_id for p in prompts] for name, prompts in prompt_sets.items()},
+        "cost_model": cost, "results": results, "hf": hf_rows, "runs": runs,
+    }
+    report["verdict"] = verdict(results)
+    write_outputs(report, samples, out_dir)
+    if tracker is not None:
+        for row in results:
+            tracker.log({f"{row['prompt_set']}/T{row['temperature']}/k{row['k']}/{m}": row[m]
+                         for m in ("alpha", "tau", "speedup", "predicted_speedup") if row[m] is not None})
+        tracker.summary.update({"verdict": report["verdict"], "c": cost["c"]})
+        tracker.finish()
+    print_headline(report, out_dir)
+    return report
+
+
+def hf_comparisons(cfg, target, draft, prompt_sets, results, eos, device, vocab) -> list[dict]:
+    """HF greedy, assisted generation and prompt lookup on the same prompts (greedy, timed the same way)."""
+    ev = cfg.eval
+    assistant = FullVocabDraft(draft, vocab) if getattr(draft.config, "draft_vocab_ids", None) else draft
+    methods = [("hf greedy", None)] + [(m, k) for k in ev.hf_ks for m in ("hf assisted", "hf prompt lookup")]
+    ours = {(r["prompt_set"], r["k"]): r for r in results if r["temperature"] == 0}
+    rows = []
+    for set_name, prompts in prompt_sets.items():
+        base_rows = [r for r in results if r["prompt_set"] == set_name and r["temperature"] == 0]
+        for method, k in tqdm(methods, desc=f"hf baselines {set_name}", dynamic_ncols=True):
+            tokens, seconds, identical = 0, 0.0, True
+            for prompt in prompts:
+                input_ids = torch.tensor([prompt.token_ids], device=device)
+                ours_tokens = generate(target, input_ids, max_new_tokens=ev.max_new_tokens, eos_token_id=eos)
+                times: list[float] = []
+                with timed(device, times):
+                    new = hf_generate(target, input_ids, ev.max_new_tokens, eos,
+                                      assistant=assistant if method == "hf assisted" else None, k=k or 4,
+                                      prompt_lookup=method == "hf prompt lookup")
+                tokens += len(new)
+                seconds += times[0]
+                identical &= new.tolist() == ours_tokens.tolist()
+            tok_s = tokens / seconds
+            row = {"prompt_set": set_name, "method": method, "k": k, "tok_s": tok_s, "identical_to_ours": identical}
+            if base_rows:
+                row["vs_our_baseline"] = tok_s / base_rows[0]["baseline_tok_s"]
+            if k is not None and (set_name, k) in ours:
+                row["ours_over_this"] = ours[(set_name, k)]["speculative_tok_s"] / tok_s
+            rows.append(row)
+    return rows
+
+
+def write_outputs(report: dict, samples: list[dict], out_dir: Path) -> None:
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    with open(out_dir / "samples.jsonl", "w") as f:
+        for sample in samples:
+            f.write(json.dumps(sample) + "\n")
+    write_markdown(report, out_dir / "report.md")
+    write_plots(report, out_dir)
+
+
+def print_headline(report: dict, out_dir: Path) -> None:
+    print(f"\n{'prompts':<22}{'T':>5}{'k':>4}{'alpha':>8}{'tau':>7}{'speedup':>9}{'pred':>7}  greedy-identical")
+    for r in report["results"]:
+        same = "-" if r["greedy_identical"] is None else str(r["greedy_identical"])
+        pred = f"{r['predicted_speedup']:.2f}" if r["predicted_speedup"] else "-"
+        print(f"{r['prompt_set']:<22}{r['temperature']:>5}{r['k']:>4}{r['alpha']:>8.2f}{r['tau']:>7.2f}"
+              f"{r['speedup']:>8.2f}x{pred:>7}  {same}")
+    for r in report["hf"]:
+        extra = f", ours speculative is {r['ours_over_this']:.2f}x this" if r.get("ours_over_this") else ""
+        print(f"{r['prompt_set']}: {r['method']}{' k=' + str(r['k']) if r['k'] else ''}: {r['tok_s']:.1f} tok/s"
+              f" ({r.get('vs_our_baseline', float('nan')):.2f}x our target-only{extra})")
+    print(f"\n{report['verdict']}\nfull report: {out_dir / 'report.md'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""report.md tables and PNG plots from the figures eval-speedup measured (report.json)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _fmt(x, digits=2):
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def write_markdown(report: dict, path: Path) -> None:
+    cm = report["cost_model"]
+    lines = [f"# Speculative decoding report: {report['config']['name']}", "",
+             f"- command: `{report['command']}`",
+             f"- date: {report['date']} · device: {report['device']} · git {report['git_sha']}",
+             f"- target `{report['target']['ref']}` ({report['target']['params'] / 1e6:.1f}M params), "
+             f"draft `{report['draft']['ref']}` ({report['draft']['params'] / 1e6:.2f}M params, "
+             f"{100 * report['draft']['param_ratio']:.2f}% of the target)",
+             f"- {report['max_new_tokens']} new tokens per prompt, batch 1, backend `{report['backend']}`; "
+             "speedup = speculative tokens/s ÷ target-only tokens/s, timed interleaved in one process",
+             "", "## Headline", "", report["verdict"], "",
+             "## Speculative vs target-only", "",
+             "| prompts | T | k | α | τ | target-only tok/s | speculative tok/s | speedup | predicted | "
+             "measured/predicted | greedy identical |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in report["results"]:
+        same = "–" if row["greedy_identical"] is None else ("yes" if row["greedy_identical"] else "**NO**")
+        lines.append(f"| {row['prompt_set']} ({row['n_prompts']}) | {row['temperature']} | {row['k']} | "
+                     f"{_fmt(row['alpha'])} | {_fmt(row['tau'])} | {_fmt(row['baseline_tok_s'], 1)} | "
+                     f"{_fmt(row['speculative_tok_s'], 1)} | **{_fmt(row['speedup'])}×** | "
+                     f"{_fmt(row['predicted_speedup'])}× | {_fmt(row['measured_over_predicted'])} | {same} |")
+    lines += ["", "## Cost model", "",
+              f"Measured at a {cm['context_tokens']}-token context: target step {cm['target_step_ms']:.2f} ms, "
+              f"draft step {cm['draft_step_ms']:.2f} ms, c = {cm['c']:.3f}. "
+              "Predicted speedup = τ / (k·c + r(k)).", "",
+              "| k | " + " | ".join(str(k) for k in cm["r"]) + " |",
+              "|---|" + "---|" * len(cm["r"]),
+              "| r(k) | " + " | ".join(f"{v:.2f}" for v in cm["r"].values()) + " |"]
+    if report.get("hf"):
+        lines += ["", "## Hugging Face generate on the same prompts (greedy)", "",
+                  "| prompts | method | k | tok/s | vs our target-only | ours speculative ÷ this | same tokens as ours |",
+                  "|---|---|---|---|---|---|---|"]
+        for row in report["hf"]:
+            lines.append(f"| {row['prompt_set']} | {row['method']} | {row.get('k') or '–'} | "
+                         f"{_fmt(row['tok_s'], 1)} | {_fmt(row['vs_our_baseline'])}× | "
+                         f"{_fmt(row.get('ours_over_this'))}× | {row['identical_to_ours']} |")
+    lines += ["", "## Per prompt", "", "| prompts | prompt | T | k | tokens | speedup | greedy identical |",
+              "|---|---|---|---|---|---|---|"]
+    for run in report["runs"]:
+        same = "–" if run["greedy_identical"] is None else ("yes" if run["greedy_identical"] else "**NO**")
+        lines.append(f"| {run['prompt_set']} | {run['prompt_id']} | {run['temperature']} | {run['k']} | "
+                     f"{run['speculative_tokens']} | {_fmt(run['speedup'])}× | {same} |")
+    lines += ["", "Plots: `acceptance_by_position.png`, `speedup_vs_k.png`. Samples: `samples.jsonl`."]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def write_plots(report: dict, out_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = report["results"]
+    groups = sorted({(r["prompt_set"], r["temperature"]) for r in results})
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in results:
+        acc = r["per_position_acceptance"]
+        ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{r['prompt_set']} T={r['temperature']} k={r['k']}")
+    ax.set(xlabel="draft position", ylabel="P(accept | reached)", ylim=(0, 1.02),
+           title="Acceptance by draft position")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / "acceptance_by_position.png", dpi=120)
+    plt.close(fig)
+
+    fig, (ax_tau, ax_speed) = plt.subplots(1, 2, figsize=(10, 4))
+    for prompt_set, temperature in groups:
+        rows = sorted((r for r in results if (r["prompt_set"], r["temperature"]) == (prompt_set, temperature)),
+                      key=lambda r: r["k"])
+        ks = [r["k"] for r in rows]
+        label = f"{prompt_set} T={temperature}"
+        ax_tau.plot(ks, [r["tau"] for r in rows], marker="o", label=label)
+        ax_speed.plot(ks, [r["speedup"] for r in rows], marker="o", label=f"{label} measured")
+        ax_speed.plot(ks, [r["predicted_speedup"] for r in rows], linestyle="--", marker="x",
+                      label=f"{label} predicted")
+    ax_tau.set(xlabel="k", ylabel="τ (tokens per target forward)", title="τ vs k")
+    ax_speed.axhline(1.0, color="grey", linewidth=0.8)
+    ax_speed.set(xlabel="k", ylabel="speedup over target-only", title="Speedup vs k")
+    ax_tau.legend(fontsize=7)
+    ax_speed.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / "speedup_vs_k.png", dpi=120)
+    plt.close(fig)

@@ -1,0 +1,42 @@
+import os
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def small_llama(vocab_size: int = 16, hidden: int = 32, layers: int = 1, seed: int = 0,
+                init_std: float = 0.3, max_positions: int = 256, tie: bool = False) -> LlamaForCausalLM:
+    """A tiny random Llama with a small vocabulary. A large init_std makes its next-token
+    distributions peaked and context dependent, so χ² tests have something to detect."""
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=max_positions, initializer_range=init_std,
+                         tie_word_embeddings=tie, bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).eval()
+
+
+class NegatedLlama(LlamaForCausalLM):
+    """A draft whose greedy choice is never the target's: it returns the target's logits negated."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = -out.logits
+        return out
+
+
+def negated_copy(model: LlamaForCausalLM) -> NegatedLlama:
+    neg = NegatedLlama(model.config)
+    neg.load_state_dict(model.state_dict())
+    return neg.eval()
+
+
+@pytest.fixture(scope="session")
+def pair():
+    """(target, different draft) with a 16-token vocabulary."""
+    return small_llama(seed=0, layers=2), small_llama(seed=1)

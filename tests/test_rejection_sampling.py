@@ -1,0 +1,113 @@
+"""RELIABILITY 1, 4, 5: the acceptance rule on synthetic distributions (χ² tests)."""
+
+import pytest
+import torch
+from scipy import stats as scipy_stats
+
+from decode.sampling import sample
+from decode.speculative import verify_block
+
+V = 6
+P_MIN = 1e-4
+
+
+def random_dist(gen, zero=()):
+    p = torch.rand(V, generator=gen) + 0.05
+    p[list(zero)] = 0.0
+    return p / p.sum()
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    support = probs > 0
+    assert counts[~support].sum() == 0, "a zero-probability token was emitted"
+    expected = probs[support] * counts.sum()
+    return scipy_stats.chisquare(counts[support].numpy(), expected.numpy()).pvalue
+
+
+def simulate(target, draft, k, length, n_runs, gen):
+    """Run the speculative algorithm over context-free per-position distributions
+    target[n], draft[n] (absolute position n) and histogram the token at each position."""
+    counts = torch.zeros(length, V)
+    for _ in range(n_runs):
+        out = []
+        while len(out) < length:
+            pos = len(out)
+            k_block = min(k, length - pos - 1)
+            draft_probs = [draft[pos + i] for i in range(k_block)]
+            drafted = [int(sample(p, gen)) for p in draft_probs]
+            emitted, _ = verify_block(drafted, draft_probs, target[pos: pos + k_block + 1], gen)
+            out.extend(emitted)
+        for pos, tok in enumerate(out[:length]):
+            counts[pos, tok] += 1
+    return counts
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_every_position_matches_target(k):
+    gen = torch.Generator().manual_seed(k)
+    length = k + 2
+    # Position 1: the draft puts mass where the target has none; position 2: target zeros.
+    target = torch.stack([random_dist(gen, zero=(2,) if n == 2 else ()) for n in range(length)])
+    draft = torch.stack([random_dist(gen, zero=(0,) if n == 0 else ()) for n in range(length)])
+    counts = simulate(target, draft, k, length, n_runs=6000, gen=gen)
+    for pos in range(length):
+        assert chi2_pvalue(counts[pos], target[pos]) > P_MIN, f"position {pos}"
+
+
+def test_residual_distribution():
+    gen = torch.Generator().manual_seed(7)
+    target, draft = random_dist(gen), random_dist(gen)
+    counts = torch.zeros(V)
+    for _ in range(20000):
+        token = int(sample(draft, gen))
+        emitted, accepted = verify_block([token], [draft], torch.stack([target, target]), gen)
+        if accepted == 0:
+            counts[emitted[0]] += 1
+    residual = torch.clamp(target - draft, min=0)
+    assert chi2_pvalue(counts, residual / residual.sum()) > P_MIN
+
+
+def test_acceptance_rate_matches_sum_of_minimums():
+    gen = torch.Generator().manual_seed(3)
+    target, draft = random_dist(gen), random_dist(gen)
+    n = 20000
+    accepted = 0
+    for _ in range(n):
+        token = int(sample(draft, gen))
+        emitted, a = verify_block([token], [draft], torch.stack([target, target]), gen)
+        accepted += a
+        assert len(emitted) == 1 + a  # the bonus token comes only after an acceptance
+    alpha = torch.minimum(target, draft).sum().item()
+    stderr = (alpha * (1 - alpha) / n) ** 0.5
+    assert abs(accepted / n - alpha) < 5 * stderr
+
+
+def test_draft_equals_target_always_accepts():
+    gen = torch.Generator().manual_seed(0)
+    dists = torch.stack([random_dist(gen) for _ in range(4)])
+    for _ in range(500):
+        drafted = [int(sample(dists[i], gen)) for i in range(3)]
+        emitted, accepted = verify_block(drafted, list(dists[:3]), dists, gen)
+        assert accepted == 3 and len(emitted) == 4 and emitted[:3] == drafted
+
+
+def test_disjoint_supports_always_reject_and_follow_target():
+    gen = torch.Generator().manual_seed(1)
+    target = torch.tensor([0.5, 0.3, 0.2, 0.0, 0.0, 0.0])
+    draft = torch.tensor([0.0, 0.0, 0.0, 0.6, 0.4, 0.0])
+    counts = torch.zeros(V)
+    for _ in range(5000):
+        token = int(sample(draft, gen))
+        emitted, accepted = verify_block([token], [draft], torch.stack([target, target]), gen)
+        assert accepted == 0 and len(emitted) == 1
+        counts[emitted[0]] += 1
+    assert chi2_pvalue(counts, target) > P_MIN
+
+
+def test_greedy_one_hot_is_exact():
+    """T = 0: one-hot distributions; accept iff the tokens agree, else emit the target's argmax."""
+    eye = torch.eye(V)
+    emitted, accepted = verify_block([3, 4], [eye[3], eye[4]], torch.stack([eye[3], eye[1], eye[5]]))
+    assert emitted == [3, 1] and accepted == 1
+    emitted, accepted = verify_block([3, 4], [eye[3], eye[4]], torch.stack([eye[3], eye[4], eye[5]]))
+    assert emitted == [3, 4, 5] and accepted == 2
