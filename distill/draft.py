@@ -1,0 +1,205 @@
+"""Build the draft: from scratch in the target's family, sized by a parameter ratio, or from a
+pretrained model sharing the tokenizer (optionally LoRA). Also the vocabulary-subset mapping.
+
+Shape search (scratch): depth is fixed (shallow: 2 layers by default, since a draft step's
+latency grows with depth, not width); the hidden size is the candidate whose parameter count
+(embeddings included, tied head) is closest to param_ratio x target parameters. Heads keep the
+target's head_dim (or fewer dims when the draft is narrower), KV heads keep its GQA ratio, and
+the MLP keeps its intermediate/hidden ratio. E.g. SmolLM2-135M at 2% with the full 49,152-token
+vocabulary: hidden 64, 2 layers -> 3.2M params (2.4%); embeddings dominate, which is why a
+vocabulary subset (e.g. 8,192 tokens) buys width.
+
+Vocabulary subset (vocab_subset = N): the N most frequent tokens of the training data (special
+tokens always in). Embedding and tied head have N + 1 rows; row N ("other") stands for every
+token outside the subset on input, and its output logit is the mass outside the subset during
+training (decode/runner.py ignores it, so the draft gives probability 0 outside the subset).
+config.draft_vocab_ids lists the N full-vocabulary ids (row i <-> id draft_vocab_ids[i]).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from decode.models import param_count
+
+
+@dataclass
+class DraftShape:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_layers: int
+    vocab_rows: int
+    params: int
+    ratio: float
+
+
+class VocabMap:
+    """Full-vocabulary ids <-> draft rows for a subset draft."""
+
+    def __init__(self, ids: list[int], full_vocab_size: int):
+        self.ids = torch.tensor(ids, dtype=torch.long)  # [N] full id of row i
+        self.other_row = len(ids)
+        self.full_vocab_size = full_vocab_size
+        # Input side: full id -> row, every id outside the subset -> the "other" row N.
+        self.input_rows = torch.full((full_vocab_size,), self.other_row, dtype=torch.long)
+        self.input_rows[self.ids] = torch.arange(len(ids))
+        # Output side: full id -> row, -1 where the draft cannot emit the token.
+        self.output_rows = torch.where(self.input_rows == self.other_row, -1, self.input_rows)
+
+    @classmethod
+    def of(cls, model) -> "VocabMap | None":
+        ids = getattr(model.config, "draft_vocab_ids", None)
+        return cls(list(ids), int(model.config.full_vocab_size)) if ids else None
+
+
+def select_vocab(token_counts: torch.Tensor, size: int, always: list[int]) -> list[int]:
+    """The `size` most frequent ids (ties: lower id first), `always` included; sorted by id.
+
+    token_counts [V]: occurrences of each full-vocabulary id in the training data."""
+    always = sorted(set(always))
+    if size < len(always):
+        raise ValueError(f"vocab_subset={size} cannot hold the {len(always)} special tokens")
+    counts = token_counts.clone().double()
+    counts[always] = float("inf")
+    # stable sort: equal counts keep ascending id order
+    order = torch.sort(-counts, stable=True).indices[:size]
+    seen = int((token_counts > 0).sum())
+    if seen < size:
+        warnings.warn(f"vocab_subset={size} but the data holds only {seen} distinct tokens; "
+                      f"{size - seen} rows are filled with unseen ids")
+    return sorted(order.tolist())
+
+
+def _shape_config(target_config, hidden: int, num_layers: int, vocab_rows: int) -> LlamaConfig | None:
+    """The draft config of width `hidden`, or None when whole heads cannot tile that width."""
+    target_head_dim = getattr(target_config, "head_dim", None) or (
+        target_config.hidden_size // target_config.num_attention_heads)
+    head_dim = min(target_head_dim, hidden)
+    heads = max(1, hidden // head_dim)
+    if heads * head_dim != hidden:
+        return None
+    gqa = max(1, target_config.num_attention_heads // target_config.num_key_value_heads)
+    kv_heads = max(d for d in range(1, heads + 1) if heads % d == 0 and d <= max(1, heads // gqa))
+    mlp_ratio = target_config.intermediate_size / target_config.hidden_size
+    intermediate = max(16, int(round(hidden * mlp_ratio / 16)) * 16)
+    return LlamaConfig(
+        vocab_size=vocab_rows, hidden_size=hidden, intermediate_size=intermediate,
+        num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=head_dim, max_position_embeddings=target_config.max_position_embeddings,
+        rms_norm_eps=target_config.rms_norm_eps, rope_parameters=getattr(target_config, "rope_parameters", None),
+        tie_word_embeddings=True, bos_token_id=target_config.bos_token_id,
+        eos_token_id=target_config.eos_token_id, pad_token_id=target_config.pad_token_id)
+
+
+def _meta_params(config: LlamaConfig) -> int:
+    with torch.device("meta"):
+        return param_count(LlamaForCausalLM(config))
+
+
+def choose_shape(target_config, target_params: int, param_ratio: float, num_layers: int,
+                 vocab_rows: int) -> tuple[LlamaConfig, DraftShape]:
+    """The draft config whose parameter count is closest to param_ratio x target_params."""
+    if not 0.01 <= param_ratio <= 0.03:
+        warnings.warn(f"param_ratio={param_ratio:.3f} is outside the usual 1-3% of the target's parameters")
+    budget = param_ratio * target_params
+    step = 16 if target_config.hidden_size < 256 else 32
+    best = None
+    hidden = step
+    while True:
+        config = _shape_config(target_config, hidden, num_layers, vocab_rows)
+        if config is not None:
+            params = _meta_params(config)
+            if best is None or abs(params - budget) < abs(best[1] - budget):
+                best = (config, params)
+            if params > budget:
+                break
+        hidden += step
+    config, params = best
+    shape = DraftShape(config.hidden_size, config.intermediate_size, config.num_attention_heads,
+                       config.num_key_value_heads, config.head_dim, num_layers, vocab_rows, params,
+                       params / target_params)
+    if not 0.01 <= shape.ratio <= 0.03:
+        warnings.warn(f"the draft has {shape.ratio:.2%} of the target's parameters (usual: 1-3%)")
+    return config, shape
+
+
+@torch.no_grad()
+def project_embeddings(target_embed: torch.Tensor, width: int, rows: torch.Tensor | None,
+                       init_std: float, generator: torch.Generator) -> torch.Tensor:
+    """Low-rank projection of the target's embedding matrix onto `width` dims.
+
+    target_embed [V, H]. The projection basis is the top right-singular vectors of the
+    (subset) rows, from an eigendecomposition of the H x H Gram matrix (cheap: H = 576 for
+    SmolLM2). Inner products between token embeddings, which the tied head turns into logits,
+    are preserved as well as `width` dims allow. With a subset, one extra "other" row is the
+    mean of the projected rows outside it. Dims beyond H (a draft wider than the target) are
+    random (std init_std). Returns [len(rows) (+1), width] or [V, width]."""
+    embed = target_embed.float()
+    chosen = embed if rows is None else embed[rows]  # [N, H]
+    gram = chosen.T @ chosen  # [H, H]
+    _, vectors = torch.linalg.eigh(gram)  # ascending eigenvalues
+    keep = min(width, embed.shape[1])
+    basis = vectors[:, -keep:].flip(-1)  # [H, keep], largest first
+    out = torch.randn(chosen.shape[0], width, generator=generator) * init_std
+    out[:, :keep] = chosen @ basis
+    if rows is None:
+        return out
+    outside = torch.ones(embed.shape[0], dtype=torch.bool)
+    outside[rows] = False
+    other = torch.randn(1, width, generator=generator) * init_std
+    if outside.any():
+        other[:, :keep] = (embed[outside] @ basis).mean(0, keepdim=True)
+    return torch.cat([out, other])
+
+
+def build_scratch_draft(target, param_ratio: float, num_layers: int, vocab_ids: list[int] | None,
+                        embed_init: str, seed: int) -> tuple[LlamaForCausalLM, DraftShape]:
+    """A fresh Llama draft sized to the target. vocab_ids: subset of full ids, or None (full vocabulary)."""
+    full_vocab = target.get_input_embeddings().weight.shape[0]
+    vocab_rows = len(vocab_ids) + 1 if vocab_ids else full_vocab
+    config, shape = choose_shape(target.config, param_count(target), param_ratio, num_layers, vocab_rows)
+    if vocab_ids:
+        config.draft_vocab_ids = list(vocab_ids)
+        config.full_vocab_size = full_vocab
+    torch.manual_seed(seed)
+    draft = LlamaForCausalLM(config)
+    if embed_init == "target":
+        rows = torch.tensor(vocab_ids) if vocab_ids else None
+        generator = torch.Generator().manual_seed(seed)
+        weight = project_embeddings(target.get_input_embeddings().weight, config.hidden_size, rows,
+                                    config.initializer_range, generator)
+        draft.get_input_embeddings().weight.data.copy_(weight)  # tied: the head shares it
+    elif embed_init != "random":
+        raise ValueError(f"embed_init={embed_init!r}; use 'target' or 'random'")
+    return draft, shape
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def build_pretrained_draft(ref: str, lora_rank: int, seed: int):
+    """A pretrained draft (same tokenizer as the target); LoRA adapters when lora_rank > 0."""
+    from decode.models import load_model
+
+    torch.manual_seed(seed)
+    draft = load_model(ref)
+    if lora_rank > 0:
+        from peft import LoraConfig, get_peft_model
+
+        draft = get_peft_model(draft, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0,
+                                                 target_modules=LORA_TARGETS))
+    return draft
+
+
+def mergeable(model):
+    """The plain HF model to export: LoRA adapters merged into the base weights."""
+    if hasattr(model, "merge_and_unload"):
+        return model.merge_and_unload()
+    return model

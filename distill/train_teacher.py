@@ -1,0 +1,94 @@
+"""The teacher side of a training step: target distributions for the draft's positions.
+
+  cached  top-K log-probs stored by generate-data; no target model at train time
+  online  the frozen target runs on every batch (full vocabulary)
+
+Both hand back a `TargetBatch` for the selected positions; `buckets` then puts draft and target
+on one support (see distill/losses.py for how the mass outside the top-K or the subset is kept).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from distill.draft import VocabMap
+from distill.losses import full_vocab_buckets, subset_buckets, topk_buckets
+
+
+@dataclass
+class TargetBatch:
+    topk_ids: torch.Tensor | None = None
+    """[N, K] cached teacher: the target's top-K full-vocabulary ids."""
+    topk_logp: torch.Tensor | None = None
+    """[N, K] their log-probs at T = 1."""
+    logits: torch.Tensor | None = None
+    """[N, V_target] online teacher: raw target logits."""
+
+    def finite(self) -> bool:
+        """False on NaN or +inf (log-probs of -inf are legal zero probabilities)."""
+        values = self.topk_logp if self.logits is None else self.logits
+        if self.logits is not None:
+            return bool(torch.isfinite(values).all())
+        return bool((~torch.isnan(values) & (values < float("inf"))).all())
+
+    def top1(self) -> torch.Tensor:
+        """[N] the target's most likely full-vocabulary id."""
+        return self.topk_ids[:, 0] if self.logits is None else self.logits.argmax(-1)
+
+
+def keep_positions(batch: dict) -> torch.Tensor:
+    """Sequence positions from the earliest loss position on: the head runs only there
+    (prompts are often longer than completions, and the head is the draft's biggest matmul)."""
+    first = int(batch["loss_mask"].float().argmax(-1).min()) if batch["loss_mask"].any() else 0
+    return torch.arange(first, batch["input_ids"].shape[1], device=batch["input_ids"].device)
+
+
+class Teacher:
+    def __init__(self, kind: str, vocab_map: VocabMap | None, target=None):
+        self.kind = kind
+        self.vocab_map = vocab_map
+        self.target = target  # frozen, eval mode; online only
+        if target is not None:
+            target.requires_grad_(False)
+
+    def to(self, device) -> "Teacher":
+        if self.vocab_map is not None:
+            self.vocab_map.ids = self.vocab_map.ids.to(device)
+            self.vocab_map.output_rows = self.vocab_map.output_rows.to(device)
+            self.vocab_map.input_rows = self.vocab_map.input_rows.to(device)
+        return self
+
+    @torch.no_grad()
+    def targets(self, batch: dict) -> TargetBatch:
+        """The target distributions at the batch's loss positions (N of them, row-major order)."""
+        mask = batch["loss_mask"]
+        if self.kind == "cached":
+            return TargetBatch(topk_ids=batch["topk_ids"][mask], topk_logp=batch["topk_logp"][mask])
+        keep = keep_positions(batch)
+        logits = self.target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                             logits_to_keep=keep).logits  # [B, T', V_target]
+        return TargetBatch(logits=logits[mask[:, keep]].float())
+
+    def buckets(self, draft_logits: torch.Tensor, target: TargetBatch):
+        """(draft_logp, target_logp) on a common support, both [N, B]."""
+        if target.logits is None:
+            rows = target.topk_ids if self.vocab_map is None else self.vocab_map.output_rows[target.topk_ids]
+            # A full-vocabulary draft narrower than the target's padded vocabulary cannot emit those ids.
+            rows = torch.where(rows < draft_logits.shape[-1], rows, -1)
+            return topk_buckets(draft_logits, rows, target.topk_logp)
+        if self.vocab_map is None:
+            return full_vocab_buckets(draft_logits, target.logits)
+        return subset_buckets(draft_logits, target.logits, self.vocab_map.ids)
+
+    def decode_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """The draft as the decoder uses it: a subset draft's "other" row never wins or gets mass."""
+        if self.vocab_map is None:
+            return draft_logits
+        return torch.cat([draft_logits[:, :-1], torch.full_like(draft_logits[:, -1:], float("-inf"))], -1)
+
+    def draft_top1(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """[N] the draft's greedy choice as a full-vocabulary id."""
+        rows = self.decode_logits(draft_logits).argmax(-1)
+        return rows if self.vocab_map is None else self.vocab_map.ids[rows]

@@ -1,0 +1,127 @@
+"""Distillation losses (RELIABILITY 18): zero on identical inputs, masking, -inf safety, slicing."""
+
+import math
+
+import pytest
+import torch
+
+from distill.losses import (acceptance, cross_entropy, forward_kl, full_vocab_buckets, jsd, mixed_loss,
+                            reverse_kl, subset_buckets, topk_buckets, tvd)
+
+DIVERGENCES = [forward_kl, reverse_kl, tvd, lambda d, t, m: jsd(d, t, m, 0.3)]
+
+
+def _logp(n=6, v=10, seed=0, neg_inf_cols=()):
+    logits = torch.randn(n, v, generator=torch.Generator().manual_seed(seed)) * 3
+    logits[:, list(neg_inf_cols)] = float("-inf")
+    return torch.log_softmax(logits, -1)
+
+
+@pytest.mark.parametrize("loss", DIVERGENCES)
+def test_identical_distributions_give_zero(loss):
+    logp = _logp(neg_inf_cols=(2, 7))  # zero-probability tokens too
+    mask = torch.ones(6, dtype=torch.bool)
+    total, count = loss(logp, logp.clone(), mask)
+    assert abs(float(total)) < 1e-6 and int(count) == 6
+
+
+@pytest.mark.parametrize("loss", DIVERGENCES)
+def test_masked_tokens_contribute_nothing(loss):
+    draft, target = _logp(seed=1), _logp(seed=2)
+    mask = torch.tensor([1, 0, 1, 0, 0, 1], dtype=torch.bool)
+    total, count = loss(draft, target, mask)
+    changed = target.clone()
+    changed[~mask] = _logp(seed=3)[~mask]  # anything at masked positions, even NaN-free garbage
+    total2, _ = loss(draft, changed, mask)
+    assert int(count) == 3
+    assert torch.allclose(total, total2)
+    assert float(total) > 0
+
+
+def test_forward_kl_matches_torch_and_jsd_tvd_bounds():
+    draft, target = _logp(seed=4), _logp(seed=5)
+    mask = torch.ones(6, dtype=torch.bool)
+    ref = torch.nn.functional.kl_div(draft, target, log_target=True, reduction="sum")
+    assert torch.allclose(forward_kl(draft, target, mask)[0], ref, atol=1e-5)
+    assert torch.allclose(reverse_kl(draft, target, mask)[0],
+                          torch.nn.functional.kl_div(target, draft, log_target=True, reduction="sum"), atol=1e-5)
+    j, _ = jsd(draft, target, mask, 0.5)
+    assert 0 < float(j) <= 6 * math.log(2)
+    assert torch.allclose(j, jsd(target, draft, mask, 0.5)[0], atol=1e-6)  # symmetric at β = 0.5
+    # α = 1 - TVD, token by token
+    assert torch.allclose(acceptance(draft, target, mask)[0], 6 - tvd(draft, target, mask)[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["forward_kl", "reverse_kl", "jsd", "tvd", "ce"])
+def test_neg_inf_entries_give_finite_gradients(name):
+    logits = torch.randn(5, 12, generator=torch.Generator().manual_seed(0))
+    logits[:, 3] = float("-inf")  # a token the draft can never emit
+    logits = logits.requires_grad_()
+    target_logits = torch.randn(5, 12, generator=torch.Generator().manual_seed(1))
+    target_logits[:, 3] = float("-inf")
+    if name != "reverse_kl":  # KL(draft ‖ target) is truly infinite where only the target is 0
+        target_logits[:, 9] = float("-inf")  # a token the target never emits
+    draft_logp, target_logp = full_vocab_buckets(logits, target_logits)
+    labels = torch.tensor([0, 1, 2, 4, 5])
+    mask = torch.tensor([1, 1, 0, 1, 1], dtype=torch.bool)
+    total, _, _ = mixed_loss({name: 1.0}, draft_logp, target_logp, logits, labels, mask)
+    total.backward()
+    assert torch.isfinite(total)
+    assert torch.isfinite(logits.grad).all()
+
+
+def test_topk_buckets_with_unmapped_rows_have_finite_gradients():
+    logits = torch.randn(4, 20, requires_grad=True)
+    rows = torch.tensor([[0, 5, -1], [3, -1, -1], [1, 2, 19], [7, 8, 9]])  # -1: outside the draft vocabulary
+    topk_logp = torch.log(torch.tensor([[0.5, 0.2, 0.1], [0.9, 0.05, 0.01], [0.3, 0.3, 0.3], [0.6, 0.2, 0.1]]))
+    draft, target = topk_buckets(logits, rows, topk_logp)
+    assert torch.allclose(draft.exp().sum(-1), torch.ones(4), atol=1e-5)
+    assert torch.allclose(target.exp().sum(-1), torch.ones(4), atol=1e-5)
+    mask = torch.ones(4, dtype=torch.bool)
+    for loss in DIVERGENCES:
+        logits.grad = None
+        total, _ = loss(draft, target, mask)
+        total.backward(retain_graph=True)
+        assert torch.isfinite(logits.grad).all()
+
+
+def test_kl_of_a_model_with_itself_is_zero_on_every_support():
+    logits = torch.randn(7, 50, generator=torch.Generator().manual_seed(3)) * 4
+    mask = torch.ones(7, dtype=torch.bool)
+    full = full_vocab_buckets(logits, logits.clone())
+    assert abs(float(forward_kl(*full, mask)[0])) < 1e-6
+    top = torch.log_softmax(logits, -1).topk(8, -1)
+    cached = topk_buckets(logits, top.indices, top.values)
+    assert abs(float(forward_kl(*cached, mask)[0])) < 1e-5
+    assert abs(float(acceptance(*cached, mask)[0]) - 7) < 1e-4
+    # a subset draft that is the target restricted to 10 tokens + an "other" row with the rest
+    subset = torch.arange(0, 50, 5)
+    target_logp = torch.log_softmax(logits, -1)
+    outside = torch.logsumexp(target_logp.index_fill(1, subset, float("-inf")), -1, keepdim=True)
+    draft_logits = torch.cat([target_logp[:, subset], outside], -1)
+    assert abs(float(forward_kl(*subset_buckets(draft_logits, logits, subset), mask)[0])) < 1e-5
+
+
+def test_teacher_logits_are_sliced_to_the_shared_vocabulary():
+    draft_logits = torch.randn(3, 16)
+    target_logits = torch.randn(3, 16)
+    padded = torch.cat([target_logits, torch.full((3, 8), 50.0)], -1)  # padded embedding rows
+    sliced = full_vocab_buckets(draft_logits, padded)
+    plain = full_vocab_buckets(draft_logits, target_logits)
+    assert sliced[1].shape == (3, 16)
+    assert torch.allclose(sliced[1], plain[1]) and torch.allclose(sliced[0], plain[0])
+
+
+def test_temperature_and_mixing_weights():
+    draft, target = _logp(seed=6), _logp(seed=7)
+    logits, labels = draft.clone(), torch.arange(6)
+    mask = torch.ones(6, dtype=torch.bool)
+    kl, _, _ = mixed_loss({"forward_kl": 1.0}, draft, target, logits, labels, mask)
+    ce, _ = cross_entropy(logits, labels, mask)
+    mixed, _, parts = mixed_loss({"forward_kl": 0.5, "ce": 2.0}, draft, target, logits, labels, mask)
+    assert torch.allclose(mixed, 0.5 * kl + 2.0 * ce)
+    assert set(parts) == {"forward_kl", "ce"}
+    hot, _, _ = mixed_loss({"forward_kl": 1.0}, draft, target, logits, labels, mask, temperature=4.0)
+    assert float(hot) < float(kl)  # softer distributions are closer
+    same, _, _ = mixed_loss({"forward_kl": 1.0}, target, target, logits, labels, mask, temperature=2.0)
+    assert abs(float(same)) < 1e-6
