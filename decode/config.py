@@ -69,7 +69,8 @@ class GenerateConfig:
     max_prompt_tokens: int = 1024
     """Prompts longer than this (after the chat template) are skipped and reported."""
     dtype: str = "float32"
-    """Target weights and activations: 'float32' or 'bfloat16' (faster on GPUs; slower for batches on CPU)."""
+    """'float32' or 'bfloat16'. The lean runner then runs only its GEMMs in bf16 (fp32 weights copy, residual
+    stream, softmax): ~2x faster batches on CPUs with avx512_bf16, logprobs within KL ~5e-4 of fp32."""
     backend: str = "auto"
     """'auto' uses the lean batched Llama runner when it applies, 'lean' requires it, 'hf' forces HF forwards."""
     stop_after_shards: int = 0

@@ -252,7 +252,11 @@ def test_identical_draft_has_zero_kl_and_full_acceptance(tmp_path, data):
         summary = run(data, out, f"target={target_dir}", f"distill.init={target_dir}", "distill.vocab_subset=0",
                       f"distill.teacher={teacher}", "distill.lr=0.0", "distill.max_steps=1")
         assert abs(summary["final/kl"]) < 1e-4, summary
-        assert summary["final/alpha"] > 0.9999 and summary["final/top1"] == 1.0
+        assert summary["final/top1"] == 1.0
+        if teacher == "online":
+            assert summary["final/alpha"] > 0.9999
+        else:  # a lower bound: the stored top-K mass of a near-uniform tiny target is small
+            assert 0 < summary["final/alpha"] < 1
         assert abs(losses(out)[1]) < 1e-4
 
 
