@@ -1,0 +1,122 @@
+"""Per-step latency and verification cost r(k) of the HF and lean runners on the embedded target.
+
+r(k) = time(one forward of k + 1 tokens) / time(one forward of 1 token), both after a cached
+prefix of --prefix tokens: what verifying k drafted tokens costs in target steps. Also the
+step latency of a small subset-vocabulary draft and c = draft step / target step.
+
+Runners and lengths are interleaved within each repeat so machine noise hits all alike;
+medians over repeats after --warmup discarded ones, with the 25-75% range. On a shared CPU
+`--clock cpu` (this process's CPU time; meaningful with --threads 1) is far less noisy than wall.
+
+    python scripts/bench_verify_cost.py --repeats 15
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from decode.lean import LeanLlamaRunner
+from decode.models import EMBEDDED, load_model
+from decode.runner import ModelRunner
+
+VOCAB = 49152  # the embedded target's vocabulary
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prefix", type=int, default=100, help="cached context before each timed forward")
+    p.add_argument("--max-k", type=int, default=8, help="largest number of drafted tokens verified")
+    p.add_argument("--repeats", type=int, default=15, help="timed repeats (medians are over these)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed repeats first")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="wall: perf_counter; cpu: process CPU time (use with --threads 1 on a busy machine)")
+    p.add_argument("--draft-hidden", type=int, default=256)
+    p.add_argument("--draft-layers", type=int, default=2)
+    p.add_argument("--draft-subset", type=int, default=8192, help="draft vocabulary subset size (+1 'other' row)")
+    p.add_argument("--draft-steps", type=int, default=200, help="timed draft steps per runner")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def build_draft(hidden: int, layers: int, subset: int, seed: int) -> LlamaForCausalLM:
+    """A random Llama draft over `subset` ids of the target's vocabulary (timing only)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=subset + 1, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
+                         num_key_value_heads=1, max_position_embeddings=8192, tie_word_embeddings=True)
+    config.draft_vocab_ids = sorted(torch.randperm(VOCAB)[:subset].tolist())
+    config.full_vocab_size = VOCAB
+    return LlamaForCausalLM(config).eval()
+
+
+def time_forwards(runners: dict, prefix: torch.Tensor, lengths: list[int], repeats: int, warmup: int,
+                  clock) -> dict:
+    """{(runner name, n): [seconds]} for forward(n tokens, n logits) after the cached prefix."""
+    for runner in runners.values():
+        runner.reset()
+        runner.forward(prefix, 1)
+    times = {(name, n): [] for name in runners for n in lengths}
+    gen = torch.Generator().manual_seed(1)
+    for rep in range(warmup + repeats):
+        for n in lengths:
+            ids = torch.randint(0, VOCAB, (n,), generator=gen)
+            for name, runner in runners.items():
+                start = clock()
+                runner.forward(ids, n)
+                elapsed = clock() - start
+                runner.rollback(prefix.shape[0])
+                if rep >= warmup:
+                    times[(name, n)].append(elapsed)
+    return times
+
+
+def summary(xs: list[float]) -> tuple[float, float, float]:
+    """(median, 25th, 75th percentile) in ms."""
+    q = statistics.quantiles(xs, n=4)
+    return statistics.median(xs) * 1e3, q[0] * 1e3, q[2] * 1e3
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    print(f"torch threads: {torch.get_num_threads()}, clock: {args.clock}, prefix: {args.prefix}, "
+          f"repeats: {args.repeats} (+{args.warmup} warm-up)")
+
+    target = load_model(EMBEDDED)
+    runners = {"hf": ModelRunner(target, VOCAB), "lean": LeanLlamaRunner(target, VOCAB)}
+    prefix = torch.randint(0, VOCAB, (args.prefix,), generator=torch.Generator().manual_seed(args.seed))
+    lengths = list(range(1, args.max_k + 2))
+    times = time_forwards(runners, prefix, lengths, args.repeats, args.warmup, clock)
+
+    step = {name: summary(times[(name, 1)])[0] for name in runners}
+    for name in runners:
+        med, lo, hi = summary(times[(name, 1)])
+        print(f"target step ({name}): {med:.1f} ms (25-75%: {lo:.1f}-{hi:.1f})")
+    print(f"\n{'k':>2} {'hf ms':>8} {'lean ms':>8} {'r_hf':>6} {'r_lean':>7} {'lean/hf step':>13}")
+    for n in lengths:
+        hf, lean = summary(times[("hf", n)])[0], summary(times[("lean", n)])[0]
+        print(f"{n - 1:>2} {hf:>8.1f} {lean:>8.1f} {hf / step['hf']:>6.2f} {lean / step['lean']:>7.2f} "
+              f"{lean / step['hf']:>13.2f}")
+
+    draft = build_draft(args.draft_hidden, args.draft_layers, args.draft_subset, args.seed)
+    params = sum(p.numel() for p in draft.parameters())
+    draft_runners = {"hf": ModelRunner(draft, VOCAB), "lean": LeanLlamaRunner(draft, VOCAB)}
+    draft_times = time_forwards(draft_runners, prefix, [1], args.draft_steps, 20, clock)
+    print(f"\ndraft: hidden {args.draft_hidden}, {args.draft_layers} layers, {args.draft_subset}+1 vocab, "
+          f"{params / 1e6:.2f}M params")
+    for name in draft_runners:
+        med, lo, hi = summary(draft_times[(name, 1)])
+        print(f"draft step ({name}): {med:.3f} ms (25-75%: {lo:.3f}-{hi:.3f}), "
+              f"c = draft step / target step ({name}) = {med / step[name]:.3f}")
+
+
+if __name__ == "__main__":
+    main()

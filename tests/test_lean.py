@@ -1,0 +1,163 @@
+"""The lean Llama runner computes what the Hugging Face forward computes."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from decode import generate, speculative_generate
+from decode.lean import CACHE_CHUNK, LeanLlamaRunner, lean_supported
+from decode.models import tiny_model
+from decode.runner import ModelRunner, make_runner
+
+ATOL = 1e-4
+
+
+def _llama(seed=0, **overrides) -> LlamaForCausalLM:
+    # Hidden 256 puts every projection on `_linear`'s w @ x.T path (>= MIN_IN inputs); untied
+    # embeddings, 8 query heads over 2 KV heads, a non-default rope theta.
+    shape = dict(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                 num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+                 tie_word_embeddings=False, rope_theta=5000.0)
+    shape.update(overrides)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**shape)).eval()
+
+
+def _subset_draft(vocab: int, n: int, seed=3) -> LlamaForCausalLM:
+    """A draft speaking n ids of a `vocab`-token vocabulary, plus the "other" row."""
+    draft = _llama(seed, vocab_size=n + 1, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                   num_key_value_heads=1, tie_word_embeddings=True)
+    gen = torch.Generator().manual_seed(seed)
+    draft.config.draft_vocab_ids = sorted(torch.randperm(vocab, generator=gen)[:n].tolist())
+    draft.config.full_vocab_size = vocab
+    return draft
+
+
+MODELS = {
+    "tiny_target": lambda: tiny_model("target"),
+    "untied_gqa4": lambda: _llama(),
+}
+
+# (new tokens, logits kept) per call; ("rollback", length) drops positions >= length.
+SCHEDULE = [(9, 3), (1, 1), (5, 5), (3, 2), ("rollback", 12), (4, 4), (1, 1), ("rollback", 3), (6, 1), (2, 2)]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.shape == b.shape and a.dtype == b.dtype == torch.float32
+    torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_matches_hf_runner_through_calls_and_rollbacks(name):
+    model = MODELS[name]()
+    vocab = model.config.vocab_size
+    hf, lean = ModelRunner(model, vocab), LeanLlamaRunner(model, vocab)
+    gen = torch.Generator().manual_seed(0)
+    committed: list[int] = []
+    for n, num_logits in SCHEDULE:
+        if n == "rollback":
+            hf.rollback(num_logits)
+            lean.rollback(num_logits)
+            del committed[num_logits:]
+            continue
+        ids = torch.randint(0, vocab, (n,), generator=gen)
+        committed += ids.tolist()
+        expected = hf.forward(ids, num_logits)
+        got = lean.forward(ids, num_logits)
+        _close(got, expected)
+        assert lean.length == hf.length == len(committed)
+        # A fresh forward without any cache over everything committed so far.
+        with torch.no_grad():
+            fresh = model(input_ids=torch.tensor([committed]), logits_to_keep=num_logits).logits[0].float()
+        _close(got, fresh)
+
+
+def test_cache_grows_past_a_chunk():
+    model = _llama()
+    lean = LeanLlamaRunner(model, 1000)
+    ids = torch.randint(0, 1000, (CACHE_CHUNK + 40,), generator=torch.Generator().manual_seed(1))
+    lean.forward(ids[:CACHE_CHUNK - 10], 1)
+    assert lean.capacity == CACHE_CHUNK
+    got = torch.cat([lean.forward(ids[i: i + 5], 5) for i in range(CACHE_CHUNK - 10, len(ids), 5)])
+    assert lean.capacity > CACHE_CHUNK
+    with torch.no_grad():
+        fresh = model(input_ids=ids[None]).logits[0, CACHE_CHUNK - 10:]
+    _close(got, fresh)
+
+
+def test_subset_draft_scatters_to_full_vocab():
+    vocab, n = 1000, 50
+    draft = _subset_draft(vocab, n)
+    hf, lean = ModelRunner(draft, vocab), LeanLlamaRunner(draft, vocab)
+    subset = torch.tensor(draft.config.draft_vocab_ids)
+    outside = torch.ones(vocab, dtype=torch.bool)
+    outside[subset] = False
+    gen = torch.Generator().manual_seed(2)
+    # Inputs mix subset ids and ids outside it (fed as the "other" row).
+    for ids in (subset[:7], torch.randint(0, vocab, (3,), generator=gen), subset[7:8]):
+        got = lean.forward(ids, ids.shape[0])
+        _close(got, hf.forward(ids, ids.shape[0]))
+        assert got.shape == (ids.shape[0], vocab)
+        assert torch.isinf(got[:, outside]).all() and (got[:, outside] < 0).all()
+        assert torch.isfinite(got[:, subset]).all()
+
+
+def test_bf16_close_to_hf():
+    model = tiny_model("target").to(torch.bfloat16)
+    hf, lean = ModelRunner(model, 49152), LeanLlamaRunner(model, 49152)
+    ids = torch.randint(0, 49152, (8,), generator=torch.Generator().manual_seed(3))
+    for chunk in (ids[:5], ids[5:6], ids[6:]):
+        got, expected = lean.forward(chunk, chunk.shape[0]), hf.forward(chunk, chunk.shape[0])
+        torch.testing.assert_close(got, expected, atol=2e-2, rtol=0)  # a few bf16 ulps
+
+
+@pytest.mark.parametrize("draft_kind", ["tiny", "subset"])
+def test_decoders_match_across_backends(draft_kind):
+    target = tiny_model("target")
+    draft = tiny_model("draft") if draft_kind == "tiny" else _subset_draft(49152, 2000)
+    prompt = torch.randint(0, 49152, (1, 11), generator=torch.Generator().manual_seed(4))
+    outs = {}
+    for backend in ("hf", "lean"):
+        plain = generate(target, prompt, max_new_tokens=12, backend=backend)
+        spec = speculative_generate(target, draft, prompt, k=3, max_new_tokens=12, backend=backend)
+        outs[backend] = (plain.tolist(), spec.tokens.tolist(), spec.stats.position_accepted)
+        assert spec.tokens.tolist() == plain.tolist()  # lossless (greedy)
+    assert outs["lean"] == outs["hf"]
+
+
+def test_make_runner_picks_lean_for_llama():
+    model = tiny_model("target")
+    assert isinstance(make_runner(model, 49152, "auto"), LeanLlamaRunner)
+    assert isinstance(make_runner(model, 49152, "hf"), ModelRunner)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: _llama(rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    lambda: _llama(attention_bias=True),
+    lambda: _llama(mlp_bias=True),
+    lambda: _llama(hidden_act="gelu"),
+    lambda: _llama().to(torch.float16),
+    lambda: Qwen2ForCausalLM(Qwen2Config(vocab_size=100, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)),
+], ids=["rope_scaling", "attention_bias", "mlp_bias", "gelu", "fp16", "qwen2"])
+def test_unsupported_configs_fall_back(make):
+    model = make()
+    assert not lean_supported(model)
+    assert type(make_runner(model, model.config.vocab_size, "auto")) is ModelRunner
+    with pytest.raises(ValueError):
+        make_runner(model, model.config.vocab_size, "lean")
+
+
+@pytest.mark.slow
+def test_embedded_target_matches_hf():
+    from decode.models import EMBEDDED, load_model
+
+    model = load_model(EMBEDDED)
+    hf, lean = ModelRunner(model, 49152), LeanLlamaRunner(model, 49152)
+    ids = torch.randint(0, 49152, (40,), generator=torch.Generator().manual_seed(5))
+    for chunk, num_logits in ((ids[:30], 2), (ids[30:31], 1), (ids[31:36], 5), (ids[36:], 4)):
+        _close(lean.forward(chunk, num_logits), hf.forward(chunk, num_logits))
+    prompt = ids[None, :20]
+    assert (generate(model, prompt, max_new_tokens=32, backend="lean").tolist()
+            == generate(model, prompt, max_new_tokens=32, backend="hf").tolist())
