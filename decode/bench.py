@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from decode.config import Config, ConfigError, cli_config, config_to_dict
-from decode.hf_baselines import FullVocabDraft, hf_generate
+from decode.hf_baselines import full_vocab_view, hf_generate
 from decode.models import check_tokenizers, load_model, load_tokenizer, param_count, resolve_device
 from decode.prompts import load_prompt_set, read_split_prompts
 from decode.report import write_markdown, write_plots
@@ -46,7 +46,7 @@ def eval_prompts(cfg: Config, tokenizer, context_length: int) -> dict[str, list]
                 raise ConfigError(f"eval.prompts: {source!r} needs generate-data shards in {data_dir}; "
                                   "run `make generate-data` first or list another prompt source")
             prompts = read_split_prompts(data_dir, split, tokenizer)
-            name = f"{Path(cfg.generate.out_dir).name}:{split}"
+            name = source
         else:
             prompts = load_prompt_set(source, tokenizer, split="eval", system_prompt=cfg.generate.system_prompt,
                                       max_new_tokens=cfg.eval.max_new_tokens, context_length=context_length,
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> dict:
 def hf_comparisons(cfg, target, draft, prompt_sets, results, eos, device, vocab) -> list[dict]:
     """HF greedy, assisted generation and prompt lookup on the same prompts (greedy, timed the same way)."""
     ev = cfg.eval
-    assistant = FullVocabDraft(draft, vocab) if getattr(draft.config, "draft_vocab_ids", None) else draft
+    assistant = full_vocab_view(draft, vocab) if getattr(draft.config, "draft_vocab_ids", None) else draft
     methods = [("hf greedy", None)] + [(m, k) for k in ev.hf_ks for m in ("hf assisted", "hf prompt lookup")]
     ours = {(r["prompt_set"], r["k"]): r for r in results if r["temperature"] == 0}
     rows = []

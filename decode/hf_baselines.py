@@ -12,36 +12,27 @@ import torch
 from transformers import GenerationConfig
 
 
-class FullVocabDraft(torch.nn.Module):
-    """Presents a vocabulary-subset draft to HF assisted generation as a full-vocabulary model:
-    input ids are mapped into the subset and logits are scattered back with -inf elsewhere."""
+def full_vocab_view(draft, full_vocab_size: int):
+    """The same vocabulary-subset draft presented to HF assisted generation as a full-vocabulary
+    model: input ids are mapped into the subset and logits scattered back with -inf elsewhere.
+    A subclass of the draft's own class, so HF's generation machinery treats it as usual."""
+    subset_ids = torch.tensor(draft.config.draft_vocab_ids, dtype=torch.long, device=draft.device)
+    input_map = torch.full((full_vocab_size,), len(subset_ids), dtype=torch.long, device=draft.device)
+    input_map[subset_ids] = torch.arange(len(subset_ids), device=draft.device)
 
-    def __init__(self, draft, full_vocab_size: int):
-        super().__init__()
-        self.draft = draft
-        ids = torch.tensor(draft.config.draft_vocab_ids, dtype=torch.long, device=draft.device)
-        self.register_buffer("subset_ids", ids, persistent=False)
-        input_map = torch.full((full_vocab_size,), len(ids), dtype=torch.long, device=draft.device)
-        input_map[ids] = torch.arange(len(ids), device=draft.device)
-        self.register_buffer("input_map", input_map, persistent=False)
-        self.config = copy.deepcopy(draft.config)
-        self.config.vocab_size = full_vocab_size
-        self.generation_config = draft.generation_config
-        self.main_input_name = "input_ids"
+    class FullVocabDraft(type(draft)):
+        def forward(self, input_ids=None, **kwargs):
+            out = super().forward(input_ids=input_map[input_ids], **kwargs)
+            full = out.logits.new_full((*out.logits.shape[:-1], full_vocab_size), float("-inf"))
+            full[..., subset_ids] = out.logits[..., : len(subset_ids)]
+            out.logits = full
+            return out
 
-    def __getattr__(self, name):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.draft, name)
-
-    def forward(self, input_ids=None, **kwargs):
-        out = self.draft(input_ids=self.input_map[input_ids], **kwargs)
-        logits = out.logits
-        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
-        full[..., self.subset_ids] = logits[..., : self.subset_ids.shape[0]]
-        out.logits = full
-        return out
+    view = FullVocabDraft(copy.deepcopy(draft.config))
+    view.load_state_dict(draft.state_dict())
+    view.generation_config = draft.generation_config
+    view.config.vocab_size = full_vocab_size  # what HF reads; the weights keep their subset shape
+    return view.to(device=draft.device, dtype=draft.dtype).eval()
 
 
 def hf_generate(target, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id, *, assistant=None,

@@ -1,35 +1,18 @@
 """Metrics out of the training loop (main process only): metrics.jsonl, W&B, a tqdm bar.
 
-W&B mode 'auto' means online only when the user is logged in (WANDB_API_KEY or a netrc entry
-for api.wandb.ai), else offline: wandb 0.31 raises at init with no key and no mode. The run id
-is kept in <out_dir>/wandb_run_id so a resumed run continues the same W&B run.
+W&B (decode.tracking): offline unless the user is logged in. The run id is kept in
+<out_dir>/wandb_run_id so a resumed run continues the same W&B run.
 """
 
 from __future__ import annotations
 
 import json
-import netrc
-import os
-import uuid
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
 from decode.config import config_to_dict
-
-
-def wandb_mode(mode: str) -> str:
-    if mode != "auto":
-        return mode
-    if os.environ.get("WANDB_MODE"):
-        return os.environ["WANDB_MODE"]
-    if os.environ.get("WANDB_API_KEY"):
-        return "online"
-    try:
-        logged_in = netrc.netrc().authenticators("api.wandb.ai") is not None
-    except (FileNotFoundError, netrc.NetrcParseError):
-        logged_in = False
-    return "online" if logged_in else "offline"
+from decode.tracking import start_wandb
 
 
 class RunLogger:
@@ -41,15 +24,8 @@ class RunLogger:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = out_dir / "metrics.jsonl"
-        mode = wandb_mode(config.wandb.mode)
-        if mode != "disabled":
-            import wandb
-
-            id_file = out_dir / "wandb_run_id"
-            if not id_file.exists():
-                id_file.write_text(uuid.uuid4().hex[:12])
-            self.run = wandb.init(project=config.wandb.project, name=config.name, id=id_file.read_text().strip(),
-                                  resume="allow", mode=mode, dir=str(out_dir), config=config_to_dict(config))
+        self.run = start_wandb(config.wandb.mode, config.wandb.project, config.name, out_dir,
+                               config_to_dict(config), job_type="distill", resume_id_file=out_dir / "wandb_run_id")
         self.bar = tqdm(total=config.distill.max_steps, initial=start_step, desc="distill", dynamic_ncols=True)
 
     def log(self, step: int, metrics: dict, show: dict | None = None) -> None:

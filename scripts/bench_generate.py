@@ -1,0 +1,142 @@
+"""Throughput of generate-data's sampler vs HF `model.generate`, on the same prompts and settings.
+
+    .venv/bin/python scripts/bench_generate.py --num-prompts 64 --threads 1
+
+Prints tokens/s of real completion tokens (up to and including EOS) for: HF generate at batch 32,
+our sampler (fp32 and bf16 GEMMs, with and without the teacher top-k cache), and score mode
+(teacher-forced top-k over the same prompt+completion). Also prints how far bf16 logprobs are from
+fp32. Not a timed test: the machine is shared, so the load average is printed with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from decode.models import EMBEDDED, load_model, load_tokenizer
+from decode.prompts import build_prompt_set
+from distill.gen_llama import BatchedLlama
+from distill.gen_sampling import generate_batch, row_uniforms, score_batch
+
+
+def real_tokens(row: list[int], eos: int) -> int:
+    return row.index(eos) + 1 if eos in row else len(row)
+
+
+def hf_generate(model, prompts, args, eos: int) -> int:
+    """HF generate in batches of args.hf_batch (left padding); returns real completion tokens."""
+    total = 0
+    for start in range(0, len(prompts), args.hf_batch):
+        batch = prompts[start:start + args.hf_batch]
+        L = max(map(len, batch))
+        ids = torch.tensor([[eos] * (L - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in batch])
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=args.temperature,
+                             top_p=args.top_p, top_k=0, max_new_tokens=args.max_new_tokens, pad_token_id=eos)
+        total += sum(real_tokens(row, eos) for row in out[:, L:].tolist())
+    return total
+
+
+def ours_generate(runner, prompts, args, eos: int, teacher_topk: int):
+    uniforms = torch.stack([row_uniforms(0, str(i), 0, args.max_new_tokens) for i in range(len(prompts))])
+    results, start = [], 0
+    while start < len(prompts):  # generate-data's batching: <= batch rows, <= max_batch_tokens slots
+        end = start + 1
+        while (end < len(prompts) and end - start < args.batch
+               and (end + 1 - start) * (len(prompts[end]) + args.max_new_tokens) <= args.max_batch_tokens):
+            end += 1
+        results += generate_batch(runner, prompts[start:end], uniforms[start:end],
+                                  max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=0,
+                                  top_p=args.top_p, eos_ids=[eos], teacher_topk=teacher_topk)
+        start = end
+    return results
+
+
+def timed(label: str, fn, tokens_of=lambda r: r):
+    start = time.perf_counter()
+    result = fn()
+    seconds = time.perf_counter() - start
+    tokens = tokens_of(result)
+    print(f"{label:<38} {tokens:>6} tokens {seconds:7.1f} s {tokens / seconds:7.1f} tok/s", flush=True)
+    return result, tokens / seconds
+
+
+def bf16_accuracy(fp32_runner, bf16_runner, prompts, completions) -> str:
+    """Mean KL(fp32 || bf16) per token and top-1 agreement over teacher-forced completion positions."""
+    sequences = [p + c for p, c in zip(prompts, completions)]
+    L = max(map(len, sequences))
+    kl, agree, n = 0.0, 0, 0
+    for i, seq in enumerate(sequences[:16]):
+        a = fp32_runner.logits(fp32_runner.prefill([seq], L, all_hidden=True)[0]).log_softmax(-1)
+        b = bf16_runner.logits(bf16_runner.prefill([seq], L, all_hidden=True)[0]).log_softmax(-1)
+        sl = slice(len(prompts[i]) - 1, len(seq) - 1)
+        kl += (a[sl].exp() * (a[sl] - b[sl])).sum().item()
+        agree += (a[sl].argmax(-1) == b[sl].argmax(-1)).sum().item()
+        n += sl.stop - sl.start
+    return f"bf16 vs fp32 over {n} tokens: mean KL {kl / n:.2e} nats, top-1 agreement {agree / n:.4f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--top-p", type=float, default=0.95)
+    parser.add_argument("--batch", type=int, default=128, help="our batch size")
+    parser.add_argument("--max-batch-tokens", type=int, default=32768)
+    parser.add_argument("--hf-batch", type=int, default=32)
+    parser.add_argument("--teacher-topk", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    parser.add_argument("--skip-hf", action="store_true")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"threads {torch.get_num_threads()}, load average at start {os.getloadavg()}")
+
+    tokenizer = load_tokenizer(EMBEDDED)
+    eos = tokenizer.eos_token_id
+    prompt_set = build_prompt_set(["embedded"], tokenizer, max_prompts=args.num_prompts,
+                                  max_new_tokens=args.max_new_tokens)
+    # The plan's order: by length, so batches hold similar lengths.
+    prompts = sorted((list(p.token_ids) for p in prompt_set.prompts), key=len)
+    print(f"{len(prompts)} embedded prompts, {sum(map(len, prompts))} prompt tokens, "
+          f"{args.max_new_tokens} new tokens, T={args.temperature}, top-p={args.top_p}")
+    model = load_model(EMBEDDED)
+    fp32, bf16 = BatchedLlama(model), BatchedLlama(model, torch.bfloat16)
+    ours_generate(fp32, prompts[:4], argparse.Namespace(**{**vars(args), "max_new_tokens": 4}), eos, 0)  # warm-up
+
+    count = lambda results: sum(len(r.completion_ids) for r in results)  # noqa: E731
+    figures = {}
+    if not args.skip_hf:
+        with torch.inference_mode():
+            _, figures["hf"] = timed(f"HF generate, batch {args.hf_batch}, fp32",
+                                     lambda: hf_generate(model, prompts, args, eos))
+    results, figures["fp32"] = timed(f"ours, batch {args.batch}, fp32", lambda: ours_generate(
+        fp32, prompts, args, eos, 0), count)
+    _, figures["fp32_topk"] = timed(f"ours, fp32 + teacher top-{args.teacher_topk}", lambda: ours_generate(
+        fp32, prompts, args, eos, args.teacher_topk), count)
+    _, figures["bf16"] = timed(f"ours, batch {args.batch}, bf16 GEMMs", lambda: ours_generate(
+        bf16, prompts, args, eos, 0), count)
+    _, figures["bf16_topk"] = timed(f"ours, bf16 + teacher top-{args.teacher_topk}", lambda: ours_generate(
+        bf16, prompts, args, eos, args.teacher_topk), count)
+    completions = [list(r.completion_ids) for r in results]
+    for label, runner in (("fp32", fp32), ("bf16", bf16)):
+        def score():
+            for start in range(0, len(prompts), 32):
+                score_batch(runner, prompts[start:start + 32], completions[start:start + 32], args.teacher_topk)
+            return sum(map(len, completions))
+        timed(f"score mode, {label}, top-{args.teacher_topk}", score)
+    print(bf16_accuracy(fp32, bf16, prompts, completions))
+    if "hf" in figures:
+        print(f"speed-up over HF batch {args.hf_batch}: fp32 {figures['fp32'] / figures['hf']:.2f}x, "
+              f"bf16 {figures['bf16'] / figures['hf']:.2f}x")
+    print(f"teacher top-k overhead: fp32 {figures['fp32'] / figures['fp32_topk'] - 1:+.1%}, "
+          f"bf16 {figures['bf16'] / figures['bf16_topk'] - 1:+.1%}")
+    print(f"load average at end {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Smoke tests: `make eval-speedup` end to end on tiny models, and the whole pipeline."""
+
+import json
+import subprocess
+
+import pytest
+
+
+def make(target: str, *args: str) -> subprocess.CompletedProcess:
+    # -o .venv/.installed: the environment exists already (make test created it).
+    result = subprocess.run(["make", "-o", ".venv/.installed", target, "CONFIG=configs/tiny.yaml",
+                             "ARGS=" + " ".join(args + ("wandb.mode=offline",))],
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def check_report(eval_dir, ks, temperatures):
+    report = json.loads((eval_dir / "report.json").read_text())
+    rows = report["results"]
+    assert {(r["k"], r["temperature"]) for r in rows} == {(k, t) for k in ks for t in temperatures}
+    for row in rows:
+        assert row["speedup"] > 0 and 0 <= row["alpha"] <= 1 and 1 <= row["tau"] <= row["k"] + 1
+        assert row["predicted_speedup"] > 0
+        if row["temperature"] == 0:
+            assert row["greedy_identical"] is True
+    assert all(run["greedy_identical"] for run in report["runs"] if run["temperature"] == 0)
+    cost = report["cost_model"]
+    assert cost["c"] > 0 and set(map(int, cost["r"])) == set(range(1, 5))
+    assert {r["method"] for r in report["hf"]} == {"hf greedy", "hf assisted", "hf prompt lookup"}
+    assert report["git_sha"] and report["versions"]["torch"]
+    for name in ("report.md", "acceptance_by_position.png", "speedup_vs_k.png", "samples.jsonl"):
+        assert (eval_dir / name).stat().st_size > 0
+    assert "Speculative vs target-only" in (eval_dir / "report.md").read_text()
+    samples = [json.loads(line) for line in (eval_dir / "samples.jsonl").read_text().splitlines()]
+    assert {s["method"] for s in samples} >= {"target-only", "speculative k=2", "speculative k=4"}
+    return report
+
+
+def test_eval_speedup_with_an_untrained_draft(tmp_path):
+    result = make("eval-speedup", "draft=tiny:draft", "eval.prompts=[gsm8k]", f"eval.out_dir={tmp_path}")
+    assert "full report:" in result.stdout
+    check_report(tmp_path, ks=[2, 4], temperatures=[0.0, 0.7])
+
+
+@pytest.mark.slow
+def test_generate_distill_eval_pipeline(tmp_path):
+    data, run = tmp_path / "data", tmp_path / "run"
+    make("generate-data", f"generate.out_dir={data}")
+    make("distill", f"distill.data_dirs=[{data}]", f"distill.out_dir={run}")
+    assert (run / "final" / "config.json").exists()
+    make("eval-speedup", f"generate.out_dir={data}", f"draft={run}/final", f"distill.out_dir={run}")
+    report = check_report(run / "eval", ks=[2, 4], temperatures=[0.0, 0.7])
+    assert report["draft"]["vocab_subset"] == 512
+    assert list(report["prompt_sets"]) == ["data:eval"]

@@ -1,0 +1,242 @@
+"""generate-data on tiny models: sampling semantics, the teacher cache, shards, resume, ranks (RELIABILITY 19-22)."""
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from decode.config import load_config
+from decode.models import load_model
+from decode.sampling import warp_probs
+from distill.gen_hf import BatchedHF
+from distill.gen_llama import BatchedLlama
+from distill.gen_plan import ResumeMismatch
+from distill.gen_sampling import draw, generate_batch, row_uniforms, score_batch
+from distill.gen_shards import CorruptShardError, verify_shards
+from distill.generate import run
+
+ROOT = Path(__file__).resolve().parents[1]
+# 24 prompts in 3 shards of 8 rows, 8 new tokens: a whole run takes a few seconds.
+SMALL = ["generate.max_prompts=24", "generate.shard_size=8", "generate.max_new_tokens=8",
+         "generate.batch_size=8", "generate.teacher_topk=4", "wandb.mode=disabled"]
+
+
+def config_for(out_dir, *overrides):
+    return load_config(ROOT / "configs/tiny.yaml", [f"generate.out_dir={out_dir}", *SMALL, *overrides])
+
+
+def read_rows(out_dir) -> list[dict]:
+    return [row for path in sorted(Path(out_dir).glob("shard-*.parquet")) for row in pq.read_table(path).to_pylist()]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_model("tiny:target")
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("full")
+    run(config_for(out_dir))
+    return out_dir
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (5, 1.0), (5, 0.6), (0, 1.0)])
+def test_draw_samples_warp_probs_distribution(top_k, top_p):
+    # Sweep the uniforms finely: the fraction of them mapped to each id is the distribution drawn from.
+    torch.manual_seed(0)
+    logits = torch.randn(1, 50) * 2
+    uniforms = (torch.arange(20000, dtype=torch.float64) + 1) / 20000
+    ids = draw(logits.expand(len(uniforms), -1), uniforms, 0.7, top_k, top_p)
+    drawn = torch.bincount(ids, minlength=50).double() / len(uniforms)
+    torch.testing.assert_close(drawn, warp_probs(logits, 0.7, top_k, top_p)[0].double(), atol=2e-4, rtol=0)
+
+
+def test_draw_falls_back_when_the_nucleus_exceeds_the_candidates():
+    logits = torch.zeros(1, 2000)  # flat: the 0.95 nucleus holds 1900 tokens, more than 512 candidates
+    uniforms = (torch.arange(4000, dtype=torch.float64) + 1) / 4000
+    ids = draw(logits.expand(len(uniforms), -1), uniforms, 1.0, 0, 0.95)
+    assert ids.unique().numel() > 1800 and ids.max() < 2000
+    assert draw(torch.tensor([[0.0, 3.0, 1.0]]), torch.tensor([0.5]), 0.0, 0, 1.0).item() == 1  # greedy
+
+
+def test_lean_runner_matches_hf_forward(target, monkeypatch):
+    monkeypatch.setattr("distill.gen_llama.PREFILL_CHUNK_POSITIONS", 6)  # 3 prefill chunks of their own lengths
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
+    lean, hf = BatchedLlama(target), BatchedHF(target)
+    with torch.no_grad():
+        alone = torch.stack([target(torch.tensor([p])).logits[0, -1] for p in prompts])
+    torch.testing.assert_close(lean.prefill(prompts, 8), alone, atol=1e-5, rtol=0)
+    torch.testing.assert_close(hf.prefill(prompts, 8), alone, atol=1e-5, rtol=0)
+    lean.keep(torch.tensor([2, 0]))
+    hf.keep(torch.tensor([2, 0]))
+    with torch.no_grad():
+        alone = torch.stack([target(torch.tensor([p + [20]])).logits[0, -1] for p in (prompts[2], prompts[0])])
+    torch.testing.assert_close(lean.step(torch.tensor([20, 20])), alone, atol=1e-5, rtol=0)
+    torch.testing.assert_close(hf.step(torch.tensor([20, 20])), alone, atol=1e-5, rtol=0)
+    bf16 = BatchedLlama(target, torch.bfloat16)  # bf16 GEMMs, fp32 everywhere else
+    torch.testing.assert_close(bf16.prefill([prompts[0]], 8)[0], lean.prefill([prompts[0]], 8)[0], atol=2e-2, rtol=0)
+
+
+def _generate(target, prompts, batch_size, teacher_topk=0, top_p=0.95):
+    uniforms = torch.stack([row_uniforms(0, f"p{i}", 0, 12) for i in range(len(prompts))])
+    out = []
+    for start in range(0, len(prompts), batch_size):
+        out += generate_batch(BatchedLlama(target), prompts[start:start + batch_size],
+                              uniforms[start:start + batch_size], max_new_tokens=12, temperature=0.7, top_k=0,
+                              top_p=top_p, eos_ids=[2], teacher_topk=teacher_topk)
+    return out
+
+
+# The tiny random target's next-token distribution is nearly flat over 49k tokens, so rounding
+# noise between batch shapes moves which tokens sit at the edge of a top-p nucleus; batch
+# independence is checked with top-p off, where only the fp64 CDF's ~1e-9 steps could move a draw.
+NO_TOP_P = ["generate.top_p=1.0"]
+
+
+def test_completion_does_not_depend_on_batch(target):
+    prompts = [[1, 5 + i, 9, 30 + 2 * i] + [7] * (i % 3) for i in range(6)]
+    alone = _generate(target, prompts, 1, top_p=1.0)
+    together = _generate(target, prompts, 6, top_p=1.0)
+    assert [c.completion_ids.tolist() for c in alone] == [c.completion_ids.tolist() for c in together]
+    assert all(len(c.completion_ids) == 12 or c.finish_reason == "eos" for c in together)
+
+
+def test_teacher_topk_matches_a_fresh_forward(target):
+    prompts = [[1, 5, 9, 30], [1, 8, 9, 31, 40, 41]]
+    for prompt, c in zip(prompts, _generate(target, prompts, 2, teacher_topk=5)):
+        sequence = torch.tensor([prompt + c.completion_ids.tolist()])
+        with torch.no_grad():
+            logprobs = target(sequence).logits[0].log_softmax(-1)[len(prompt) - 1:-1]  # [n, V]
+        values, ids = logprobs.topk(5, dim=-1)
+        assert (torch.from_numpy(c.topk_ids) == ids).all()
+        torch.testing.assert_close(torch.from_numpy(c.topk_logprobs), values, atol=1e-5, rtol=0)
+    # Score mode stores the same numbers for given text.
+    prompt, completion = [1, 5, 9], [30, 31, 32, 2]
+    (ids_s, logprobs_s), = score_batch(BatchedLlama(target), [prompt], [completion], 5)
+    with torch.no_grad():
+        logprobs = target(torch.tensor([prompt + completion])).logits[0].log_softmax(-1)[2:-1]
+    torch.testing.assert_close(torch.from_numpy(logprobs_s), logprobs.topk(5, -1).values, atol=1e-5, rtol=0)
+
+
+# ----------------------------------------------------------------------------- runs and shards
+
+
+def test_run_writes_shards_and_manifest(finished_run):
+    manifest = json.loads((finished_run / "manifest.json").read_text())
+    assert manifest["complete"] and len(manifest["shards"]) == 3 and manifest["rows"] == 24
+    assert manifest["fingerprint"]["target"] == "tiny:target" and manifest["fingerprint"]["target_hash"]
+    assert manifest["prompts"]["split_counts"]["train"] > 0
+    rows = read_rows(finished_run)
+    assert sorted(r["prompt_id"] for r in rows) == sorted({r["prompt_id"] for r in rows})
+    for r in rows:
+        assert r["mode"] == "generate" and r["finish_reason"] in ("eos", "length")
+        assert len(r["teacher_topk_ids"]) == len(r["completion_ids"]) > 0
+        assert len(r["teacher_topk_logprobs"][0]) == 4
+    assert len(verify_shards(finished_run)) == 3
+
+
+def test_result_does_not_depend_on_batch_size(tmp_path):
+    run(config_for(tmp_path / "a", "generate.batch_size=3", *NO_TOP_P))
+    run(config_for(tmp_path / "b", "generate.batch_size=8", *NO_TOP_P))
+    key = lambda r: r["prompt_id"]  # noqa: E731
+    small, big = sorted(read_rows(tmp_path / "a"), key=key), sorted(read_rows(tmp_path / "b"), key=key)
+    assert [r["completion_ids"] for r in small] == [r["completion_ids"] for r in big]
+
+
+def test_kill_and_resume_gives_every_prompt_once(finished_run, tmp_path):
+    first = run(config_for(tmp_path, "generate.stop_after_shards=1"))
+    assert not first["complete"] and len(first["shards"]) == 1
+    with pytest.raises(CorruptShardError, match="incomplete"):
+        verify_shards(tmp_path)
+    # A kill -9 during a write leaves only a hidden temp file; the rerun removes it.
+    (tmp_path / ".shard-00001.parquet.tmp-999").write_bytes(b"PAR1 half a shard")
+    second = run(config_for(tmp_path))
+    assert second["complete"] and not list(tmp_path.glob(".shard-*"))
+    rows = read_rows(tmp_path)
+    assert Counter(Counter(r["prompt_id"] for r in rows).values()) == {1: 24}
+    key = lambda r: r["prompt_id"]  # noqa: E731
+    assert sorted(rows, key=key) == sorted(read_rows(finished_run), key=key)
+
+
+def test_resume_with_changed_settings_is_refused(finished_run):
+    with pytest.raises(ResumeMismatch, match=r"temperature: 0.7 -> 0.9"):
+        run(config_for(finished_run, "generate.temperature=0.9"))
+    with pytest.raises(ResumeMismatch, match="target_hash"):
+        run(config_for(finished_run, "target=tiny:draft"))
+
+
+def test_corrupt_shard_is_named(finished_run, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(finished_run, copy)
+    shard = copy / "shard-00001.parquet"
+    shard.write_bytes(shard.read_bytes()[:200])  # truncated
+    with pytest.raises(CorruptShardError, match="shard-00001.parquet"):
+        verify_shards(copy)
+    with pytest.raises(CorruptShardError, match="shard-00001.parquet"):
+        run(config_for(copy))
+
+
+def test_bad_prompts_reported_and_skipped(tmp_path):
+    source = tmp_path / "prompts.jsonl"
+    texts = ["Hi there.", "", "Hi there.", "long " * 300, "Tell me a joke.", "What is 3 * 4?"]
+    source.write_text("\n".join(json.dumps({"prompt": t}) for t in texts))
+    manifest = run(config_for(tmp_path / "out", f"generate.sources=[{source}]", "generate.max_prompt_tokens=100"))
+    assert manifest["complete"] and manifest["rows"] == 3
+    assert manifest["prompts"]["skipped_by_reason"] == {"empty": 1, "duplicate": 1, "too_long": 1}
+    assert len(manifest["prompts"]["skipped"]) == 3
+
+
+def test_score_mode_stores_topk_for_text(tmp_path):
+    manifest = run(config_for(tmp_path, "generate.mode=score", "generate.sources=[freshqa]",
+                              "generate.max_prompts=6"))
+    rows = read_rows(tmp_path)
+    assert manifest["complete"] and len(rows) == 6
+    for r in rows:
+        assert r["mode"] == "score" and len(r["prompt_ids"]) == 1
+        assert len(r["teacher_topk_ids"]) == len(r["completion_ids"]) > 0
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+def _env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+def test_two_ranks_cover_every_prompt_once(finished_run, tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "distill.generate", "--config", "configs/tiny.yaml", f"generate.out_dir={tmp_path}", *SMALL]
+    done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["complete"] and {r["rank"] for r in manifest["throughput_this_run"]["ranks"]} == {0, 1}
+    rows = read_rows(tmp_path)
+    assert Counter(Counter(r["prompt_id"] for r in rows).values()) == {1: 24}
+    assert {r["prompt_id"] for r in rows} == {r["prompt_id"] for r in read_rows(finished_run)}
+
+
+def test_make_generate_data_smoke(tmp_path):
+    # -o: do not (re)run `make setup`; the test runs inside the installed environment.
+    cmd = ["make", "-s", "-o", ".venv/.installed", "generate-data", "CONFIG=configs/tiny.yaml",
+           f"ARGS=generate.out_dir={tmp_path} generate.max_prompts=16 generate.max_new_tokens=6"]
+    done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["rows"] == 16 and (tmp_path / "config.yaml").is_file()
+    import datasets
+
+    data = datasets.load_dataset("parquet", data_files=[str(p) for p in verify_shards(tmp_path)], split="train")
+    assert len(data) == 16 and set(data["split"]) <= {"train", "eval"}
+    assert len(data[0]["teacher_topk_ids"][0]) == 8  # tiny.yaml: teacher_topk 8
