@@ -163,6 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
     progress = tqdm(total=n_prompts * len(ev.temperatures) * (1 + len(ev.ks)), desc="eval-speedup",
                     dynamic_ncols=True)
     runs, samples = [], []
+    greedy_tokens: dict[tuple[str, str], list[int]] = {}  # target-only greedy output, for the HF checks
     for temperature in ev.temperatures:
         sampling = dict(temperature=temperature, top_k=ev.top_k, top_p=ev.top_p, eos_token_id=eos)
         for set_name, prompts in prompt_sets.items():
@@ -174,6 +175,8 @@ def main(argv: list[str] | None = None) -> dict:
                     base = generate(target, input_ids, max_new_tokens=ev.max_new_tokens, target_runner=target_runner,
                                     generator=torch.Generator(device).manual_seed(seed), **sampling)
                 progress.update(1)
+                if temperature == 0:
+                    greedy_tokens[(set_name, prompt.prompt_id)] = base.tolist()
                 samples.append({"prompt_set": set_name, "prompt_id": prompt.prompt_id, "temperature": temperature,
                                 "method": "target-only", "text": tokenizer.decode(base)})
                 for k in ev.ks:
@@ -198,7 +201,8 @@ def main(argv: list[str] | None = None) -> dict:
                     progress.set_postfix(speedup=f"{speedup:.2f}", alpha=f"{out.stats.alpha:.2f}")
     progress.close()
     results = aggregate(runs, cost)
-    hf_rows = hf_comparisons(cfg, target, draft, prompt_sets, results, eos, device, vocab) if ev.hf_baselines else []
+    hf_rows = hf_comparisons(cfg, target, draft, prompt_sets, results, greedy_tokens, eos, device,
+                             vocab, target_runner) if ev.hf_baselines else []
 
     report = {
         "command": " ".join(["python -m decode.bench"] + (argv if argv is not None else sys.argv[1:])),
@@ -225,7 +229,8 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
-def hf_comparisons(cfg, target, draft, prompt_sets, results, eos, device, vocab) -> list[dict]:
+def hf_comparisons(cfg, target, draft, prompt_sets, results, greedy_tokens, eos, device, vocab,
+                   target_runner) -> list[dict]:
     """HF greedy, assisted generation and prompt lookup on the same prompts (greedy, timed the same way)."""
     ev = cfg.eval
     assistant = full_vocab_view(draft, vocab) if getattr(draft.config, "draft_vocab_ids", None) else draft
@@ -238,7 +243,10 @@ def hf_comparisons(cfg, target, draft, prompt_sets, results, eos, device, vocab)
             tokens, seconds, identical = 0, 0.0, True
             for prompt in prompts:
                 input_ids = torch.tensor([prompt.token_ids], device=device)
-                ours_tokens = generate(target, input_ids, max_new_tokens=ev.max_new_tokens, eos_token_id=eos)
+                key = (set_name, prompt.prompt_id)
+                if key not in greedy_tokens:
+                    greedy_tokens[key] = generate(target, input_ids, max_new_tokens=ev.max_new_tokens,
+                                                  eos_token_id=eos, target_runner=target_runner).tolist()
                 times: list[float] = []
                 with timed(device, times):
                     new = hf_generate(target, input_ids, ev.max_new_tokens, eos,
@@ -246,7 +254,7 @@ def hf_comparisons(cfg, target, draft, prompt_sets, results, eos, device, vocab)
                                       prompt_lookup=method == "hf prompt lookup")
                 tokens += len(new)
                 seconds += times[0]
-                identical &= new.tolist() == ours_tokens.tolist()
+                identical &= new.tolist() == greedy_tokens[key]
             tok_s = tokens / seconds
             row = {"prompt_set": set_name, "method": method, "k": k, "tok_s": tok_s, "identical_to_ours": identical}
             if base_rows:
