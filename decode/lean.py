@@ -50,7 +50,7 @@ def lean_supported(model: torch.nn.Module) -> bool:
 
 
 # `_linear` uses the `w @ x.T` layout for at most SMALL_M rows and at least MIN_IN input features.
-SMALL_M = 5
+SMALL_M = 12
 MIN_IN = 256
 
 
@@ -59,9 +59,11 @@ def _linear(x: torch.Tensor, w: torch.Tensor, small_m_layout: bool) -> torch.Ten
 
     small_m_layout (CPU, fp32): MKL on a 2-core AMD EPYC, 1 thread, over the 30 layers of
     SmolLM2-135M: M = 1 through `F.linear` (gemv) takes ~40 ms but torch.mm(w, x.T) with M = 2
-    ~27 ms; M = 3-5 take 41-53 ms that way against 65-77 ms through `F.linear`, which catches
-    up from M = 6. So up to SMALL_M rows use w @ x.T, with a single row duplicated into two
-    (also 2x faster for the 49152 x 576 output head). With fewer than MIN_IN input features
+    ~27 ms; M = 3-5 take 41-53 ms that way against 65-77 ms through `F.linear`. The
+    49152 x 576 output head is where it matters most: with 2 threads, `F.linear` takes 17-38 ms
+    for M = 4-9 rows against 5-11 ms as w @ x.T, which lowered r(5..8) of the embedded target
+    from 3.0-3.8 to 2.0-2.8. So up to SMALL_M rows use w @ x.T, with a single row duplicated
+    into two. With fewer than MIN_IN input features
     (64-128) the duplicated row costs more than gemv: plain `F.linear` there.
     """
     m = x.shape[0]
