@@ -11,14 +11,14 @@ import copy
 import torch
 from transformers import GenerationConfig
 
+from decode.runner import subset_maps
+
 
 def full_vocab_view(draft, full_vocab_size: int):
     """The same vocabulary-subset draft presented to HF assisted generation as a full-vocabulary
     model: input ids are mapped into the subset and logits scattered back with -inf elsewhere.
     A subclass of the draft's own class, so HF's generation machinery treats it as usual."""
-    subset_ids = torch.tensor(draft.config.draft_vocab_ids, dtype=torch.long, device=draft.device)
-    input_map = torch.full((full_vocab_size,), len(subset_ids), dtype=torch.long, device=draft.device)
-    input_map[subset_ids] = torch.arange(len(subset_ids), device=draft.device)
+    subset_ids, input_map = subset_maps(draft.config, full_vocab_size, draft.device)
 
     class FullVocabDraft(type(draft)):
         def forward(self, input_ids=None, **kwargs):

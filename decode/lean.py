@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
+from decode.runner import subset_maps
+
 # The cache (and rope table) grows in steps of this many positions instead of reserving
 # max_position_embeddings (8192 for SmolLM2: 30 layers x 2 x 3 x 8192 x 64 x 4 B = 377 MB) up front.
 CACHE_CHUNK = 256
@@ -93,14 +95,7 @@ class LeanLlamaRunner:
         self.device, self.dtype = embed.device, embed.dtype
         self.max_length = getattr(cfg, "max_position_embeddings", None) or 10**9
 
-        subset = getattr(cfg, "draft_vocab_ids", None)
-        self.subset_ids = None
-        self.input_map = None
-        if subset:
-            self.subset_ids = torch.tensor(subset, dtype=torch.long, device=self.device)
-            # full id -> row of the draft's embedding; ids outside the subset -> "other" row N
-            self.input_map = torch.full((vocab_size,), len(subset), dtype=torch.long, device=self.device)
-            self.input_map[self.subset_ids] = torch.arange(len(subset), device=self.device)
+        self.subset_ids, self.input_map = subset_maps(cfg, vocab_size, self.device)
 
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads

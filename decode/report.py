@@ -82,12 +82,14 @@ def write_plots(report: dict, out_dir: Path) -> None:
         ks = [r["k"] for r in rows]
         label = f"{prompt_set} T={temperature}"
         ax_tau.plot(ks, [r["tau"] for r in rows], marker="o", label=label)
-        ax_speed.plot(ks, [r["speedup"] for r in rows], marker="o", label=f"{label} measured")
+        (measured,) = ax_speed.plot(ks, [r["speedup"] for r in rows], marker="o", label=f"{label} measured")
         ax_speed.plot(ks, [r["predicted_speedup"] for r in rows], linestyle="--", marker="x",
-                      label=f"{label} predicted")
+                      color=measured.get_color(), label=f"{label} predicted")
     ax_tau.set(xlabel="k", ylabel="τ (tokens per target forward)", title="τ vs k")
     ax_speed.axhline(1.0, color="grey", linewidth=0.8)
     ax_speed.set(xlabel="k", ylabel="speedup over target-only", title="Speedup vs k")
+    for ax in (ax_tau, ax_speed):
+        ax.xaxis.get_major_locator().set_params(integer=True)
     ax_tau.legend(fontsize=7)
     ax_speed.legend(fontsize=7)
     fig.tight_layout()

@@ -19,6 +19,19 @@ import torch
 from transformers import DynamicCache
 
 
+def subset_maps(config, vocab_size: int, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(subset_ids [N], input_map [vocab_size]) for a vocabulary-subset draft, else (None, None).
+    input_map sends a full-vocabulary id to its row in the draft's embedding, ids outside the
+    subset to the "other" row N."""
+    subset = getattr(config, "draft_vocab_ids", None)
+    if not subset:
+        return None, None
+    subset_ids = torch.tensor(subset, dtype=torch.long, device=device)
+    input_map = torch.full((vocab_size,), len(subset), dtype=torch.long, device=device)
+    input_map[subset_ids] = torch.arange(len(subset), device=device)
+    return subset_ids, input_map
+
+
 class ModelRunner:
     """Hugging Face forward with a DynamicCache (any causal LM)."""
 
@@ -26,14 +39,7 @@ class ModelRunner:
         self.model = model
         self.vocab_size = vocab_size
         self.device = next(model.parameters()).device
-        subset = getattr(model.config, "draft_vocab_ids", None)
-        self.subset_ids = None
-        self.input_map = None
-        if subset:
-            self.subset_ids = torch.tensor(subset, dtype=torch.long, device=self.device)
-            # full id -> row of the draft's embedding; ids outside the subset -> "other" row N
-            self.input_map = torch.full((vocab_size,), len(subset), dtype=torch.long, device=self.device)
-            self.input_map[self.subset_ids] = torch.arange(len(subset), device=self.device)
+        self.subset_ids, self.input_map = subset_maps(model.config, vocab_size, self.device)
         self.max_length = getattr(model.config, "max_position_embeddings", None) or 10**9
         self.reset()
 
