@@ -26,24 +26,46 @@ def timed(device: torch.device, out: list):
     out.append(time.perf_counter() - start)
 
 
-def forward_latency(runner: ModelRunner, context: list[int], n_tokens: int, repeats: int) -> float:
-    """Median seconds of one forward over n_tokens new tokens after `context` (cache rolled back each time)."""
-    runner.reset()
-    runner.forward(torch.tensor(context), 1)
-    probe = torch.tensor(context[-n_tokens:] if len(context) >= n_tokens else [context[-1]] * n_tokens)
+DRAFT_RUN = 4
+
+
+def _time_forward(runner: ModelRunner, context_len: int, probe: torch.Tensor) -> float:
     times: list[float] = []
-    for _ in range(repeats + 1):  # the first call warms up allocations for this shape
-        with timed(runner.device, times):
-            runner.forward(probe, n_tokens)
-        runner.rollback(len(context))
-    return statistics.median(times[1:])
+    with timed(runner.device, times):
+        runner.forward(probe, probe.shape[0])
+    runner.rollback(context_len)
+    return times[0]
 
 
 def cost_model(target_runner: ModelRunner, draft_runner: ModelRunner, context: list[int], max_k: int,
-               repeats: int = 7) -> dict:
-    """Measure c = draft step / target step and r(k) = target forward over k+1 tokens / target step."""
-    target_step = forward_latency(target_runner, context, 1, repeats)
-    draft_step = forward_latency(draft_runner, context, 1, repeats)
-    r = {k: forward_latency(target_runner, context, k + 1, repeats) / target_step for k in range(1, max_k + 1)}
-    return {"target_step_ms": 1e3 * target_step, "draft_step_ms": 1e3 * draft_step,
-            "c": draft_step / target_step, "r": r, "context_tokens": len(context)}
+               repeats: int = 9) -> dict:
+    """Measure c = draft step / target step and r(k) = target forward over k+1 tokens / target step.
+
+    Every repeat times the one-token steps and each (k+1)-token forward back to back, and the
+    ratios are formed within a repeat before taking medians, so a slow moment on a shared
+    machine moves numerator and denominator together instead of skewing one of them.
+    """
+    for runner in (target_runner, draft_runner):
+        runner.reset()
+        runner.forward(torch.tensor(context), 1)
+    n = len(context)
+    probes = {m: torch.tensor((context * (m // n + 1))[-m:]) for m in range(1, max_k + 2)}
+    target_steps, draft_steps, c_ratios = [], [], []
+    r_ratios: dict[int, list[float]] = {k: [] for k in range(1, max_k + 1)}
+    for i in range(repeats + 1):  # the first round warms up allocations for every shape
+        step = _time_forward(target_runner, n, probes[1])
+        # Draft steps come in runs of k after each target forward (which evicts the draft's
+        # weights from the CPU caches): time DRAFT_RUN consecutive steps, as the loop does.
+        draft = sum(_time_forward(draft_runner, n, probes[1]) for _ in range(DRAFT_RUN)) / DRAFT_RUN
+        verify = {k: _time_forward(target_runner, n, probes[k + 1]) for k in r_ratios}
+        if i == 0:
+            continue
+        target_steps.append(step)
+        draft_steps.append(draft)
+        c_ratios.append(draft / step)
+        for k, seconds in verify.items():
+            r_ratios[k].append(seconds / step)
+    return {"target_step_ms": 1e3 * statistics.median(target_steps),
+            "draft_step_ms": 1e3 * statistics.median(draft_steps),
+            "c": statistics.median(c_ratios), "r": {k: statistics.median(v) for k, v in r_ratios.items()},
+            "context_tokens": n}
