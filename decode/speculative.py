@@ -29,8 +29,8 @@ class SpeculativeOutput:
     stats: SpeculativeStats
 
 
-def _check_inputs(input_ids: torch.Tensor, max_new_tokens: int, temperature: float, top_p: float,
-                  runners: list[ModelRunner]) -> None:
+def _check_inputs(input_ids: torch.Tensor, max_new_tokens: int, temperature: float, top_p: float) -> None:
+    """Argument errors, raised before any runner (and its weight copies) is built."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"input_ids must have shape [1, L], got {list(input_ids.shape)}")
     if input_ids.shape[1] == 0:
@@ -41,6 +41,9 @@ def _check_inputs(input_ids: torch.Tensor, max_new_tokens: int, temperature: flo
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def _check_context(input_ids: torch.Tensor, max_new_tokens: int, runners: list[ModelRunner]) -> None:
     needed = input_ids.shape[1] + max_new_tokens
     for runner in runners:
         if needed > runner.max_length:
@@ -101,8 +104,9 @@ def generate(target, input_ids: torch.Tensor, *, max_new_tokens: int, temperatur
     Returns the new tokens as a 1-D LongTensor. Same runner and sampler as
     `speculative_generate`.
     """
+    _check_inputs(input_ids, max_new_tokens, temperature, top_p)
     runner = target_runner or make_runner(target, _shared_vocab(target), backend)
-    _check_inputs(input_ids, max_new_tokens, temperature, top_p, [runner])
+    _check_context(input_ids, max_new_tokens, [runner])
     runner.reset()
     committed = input_ids[0].tolist()
     prompt_len = len(committed)
@@ -129,10 +133,11 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, *, k: int, max_
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
+    _check_inputs(input_ids, max_new_tokens, temperature, top_p)
     vocab = _shared_vocab(target, draft)
     target_runner = target_runner or make_runner(target, vocab, backend)
     draft_runner = draft_runner or make_runner(draft, vocab, backend)
-    _check_inputs(input_ids, max_new_tokens, temperature, top_p, [target_runner, draft_runner])
+    _check_context(input_ids, max_new_tokens, [target_runner, draft_runner])
     target_runner.reset()
     draft_runner.reset()
     warp = dict(temperature=temperature, top_k=top_k, top_p=top_p)
