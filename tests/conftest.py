@@ -36,6 +36,16 @@ def negated_copy(model: LlamaForCausalLM) -> NegatedLlama:
     return neg.eval()
 
 
+@pytest.fixture
+def one_thread():
+    """One torch thread in this process: with two busy cores, OpenMP oversubscription makes
+    training-sized work ~10x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def pair():
     """(target, different draft) with a 16-token vocabulary."""

@@ -17,13 +17,7 @@ SMOLLM2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
 SMOLLM2_PARAMS = 134_515_008
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Two busy cores: one thread per process avoids OpenMP oversubscription (10x slower here).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("vocab_rows,ratio", [(49152, 0.02), (8193, 0.02), (8193, 0.01)])
