@@ -166,8 +166,9 @@ class LeanLlamaRunner:
         return weight * normed.to(x.dtype)
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, num_logits: int = 1) -> torch.Tensor:
-        """Feed ids [n] at positions length..length+n-1; return fp32 logits [num_logits, vocab_size]."""
+    def forward(self, ids: torch.Tensor, num_logits: int = 1, full_vocab: bool = True) -> torch.Tensor:
+        """Feed ids [n] at positions length..length+n-1; return fp32 logits [num_logits, vocab_size]
+        (full_vocab=False: [num_logits, N] over a subset draft's rows)."""
         ids = ids.to(self.device)
         if self.input_map is not None:
             ids = self.input_map[ids]
@@ -207,7 +208,7 @@ class LeanLlamaRunner:
         self.length = end
         h = self._rms_norm(x[-num_logits:], self.norm)  # [num_logits, hidden]
         logits = _linear(h, self.lm_head, small).float()  # [num_logits, n_out]
-        if self.subset_ids is None:
+        if self.subset_ids is None or not full_vocab:
             return logits
         full = logits.new_full((num_logits, self.vocab_size), float("-inf"))
         return full.scatter_(1, self.scatter_index.expand(num_logits, -1), logits)

@@ -2,6 +2,9 @@
 
 Both decode loops talk to models only through `ModelRunner`:
   forward(ids, num_logits) -> fp32 logits [num_logits, vocab_size] for the last positions
+                              (full_vocab=False: [num_logits, N] over a subset draft's N rows,
+                              `subset_ids` giving each row's token id; the speculative loop
+                              samples the draft there and skips a vocabulary-wide scatter per token)
   rollback(length)         -> forget every cached token from position `length` on
 The invariant the loops keep: runner.length == committed tokens - 1 (the last committed
 token is fed on the next call).
@@ -55,14 +58,18 @@ class ModelRunner:
             self.length = length
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, num_logits: int = 1) -> torch.Tensor:
-        """Feed ids [n] at positions length..length+n-1; return logits [num_logits, vocab_size]."""
+    def forward(self, ids: torch.Tensor, num_logits: int = 1, full_vocab: bool = True) -> torch.Tensor:
+        """Feed ids [n] at positions length..length+n-1; return logits [num_logits, vocab_size]
+        (full_vocab=False: [num_logits, N] over a subset draft's rows)."""
         ids = ids.to(self.device)
         model_ids = self.input_map[ids] if self.input_map is not None else ids
         out = self.model(input_ids=model_ids[None], cache=self.cache, use_cache=True,
                          logits_to_keep=num_logits)
         self.length += ids.shape[0]
-        return self._to_full_vocab(out.logits[0, -num_logits:].float())
+        logits = out.logits[0, -num_logits:].float()
+        if not full_vocab and self.subset_ids is not None:
+            return logits[:, : self.subset_ids.shape[0]]  # the "other" row is never emitted
+        return self._to_full_vocab(logits)
 
     def _to_full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         if self.subset_ids is None:

@@ -8,7 +8,12 @@ Speculative step (Leviathan et al. 2023; Chen et al. 2023):
      if all k are accepted emit a bonus token from target_probs_k.
 Every emitted token is then distributed exactly as target-only sampling would give it.
 With temperature 0 both distributions are one-hot, so this reduces to "accept while the
-draft's argmax equals the target's" — exact greedy.
+draft's argmax equals the target's" — exact greedy, which `verify_greedy` computes directly
+from the logits (no vocabulary-wide one-hot or sampling per token).
+
+A vocabulary-subset draft is warped and sampled over its N rows: warping the full vocabulary
+with -inf outside the subset gives the same distribution with zeros outside it, and only the
+rejection step needs it spread over the full vocabulary.
 """
 
 from __future__ import annotations
@@ -65,34 +70,51 @@ def _cut_at_eos(tokens: list[int], eos_token_id) -> tuple[list[int], bool]:
     return tokens, False
 
 
-def _feed(runner: ModelRunner, committed: list[int], extra: list[int], num_logits: int) -> torch.Tensor:
+def _feed(runner: ModelRunner, committed: list[int], extra: list[int], num_logits: int,
+          full_vocab: bool = True) -> torch.Tensor:
     """Feed the committed tokens the runner has not seen yet, then `extra`."""
     ids = torch.tensor(committed[runner.length:] + extra, dtype=torch.long)
-    return runner.forward(ids, num_logits)
+    return runner.forward(ids, num_logits, full_vocab)
 
 
 def verify_block(drafted: list[int], draft_probs: list[torch.Tensor], target_probs: torch.Tensor,
-                 generator: torch.Generator | None = None) -> tuple[list[int], int]:
+                 generator: torch.Generator | None = None,
+                 draft_ids: torch.Tensor | None = None) -> tuple[list[int], int]:
     """The acceptance rule. Returns (emitted tokens, number of drafted tokens accepted).
 
-    drafted[i] was sampled from draft_probs[i] [V]; target_probs [len(drafted)+1, V] is the
-    target's warped distribution at each drafted position plus one more for the bonus token.
+    drafted[i] was sampled from draft_probs[i]: [V] over the vocabulary, or [N] over a subset
+    draft's rows when draft_ids [N] gives each row's token id. target_probs [len(drafted)+1, V]
+    is the target's warped distribution at each drafted position plus one more for the bonus token.
     """
     rng_device = generator.device if generator is not None else target_probs.device
     emitted: list[int] = []
     for i, token in enumerate(drafted):
-        # Accept with probability min(1, target/draft). draft_probs[i][token] > 0: it was sampled.
-        accept_prob = min(1.0, float(target_probs[i, token] / draft_probs[i][token]))
+        draft_prob = draft_probs[i][token] if draft_ids is None else draft_probs[i][draft_ids == token].sum()
+        # Accept with probability min(1, target/draft). draft_prob > 0: the token was sampled from it.
+        accept_prob = min(1.0, float(target_probs[i, token] / draft_prob))
         if float(torch.rand((), generator=generator, device=rng_device)) < accept_prob:
             emitted.append(token)
             continue
         # Rejected: resample from the part of the target the draft under-covers.
         # residual.sum() == 0 only when target_probs == draft_probs, where rejection cannot happen.
-        residual = torch.clamp(target_probs[i] - draft_probs[i], min=0.0)
+        draft_full = draft_probs[i] if draft_ids is None else (
+            target_probs.new_zeros(target_probs.shape[-1]).index_copy_(0, draft_ids, draft_probs[i]))
+        residual = torch.clamp(target_probs[i] - draft_full, min=0.0)
         emitted.append(int(sample(residual / residual.sum(), generator)))
         return emitted, i
     emitted.append(int(sample(target_probs[len(drafted)], generator)))  # all accepted: bonus token
     return emitted, len(drafted)
+
+
+def verify_greedy(drafted: list[int], target_logits: torch.Tensor) -> tuple[list[int], int]:
+    """The acceptance rule at temperature 0 (one-hot distributions): accept while a drafted token
+    is the target's argmax, then emit the target's argmax (the correction, or the bonus token).
+    target_logits [len(drafted)+1, V]. Returns (emitted tokens, number accepted)."""
+    best = target_logits.argmax(-1).tolist()
+    for i, token in enumerate(drafted):
+        if token != best[i]:
+            return drafted[:i] + [best[i]], i
+    return drafted + [best[len(drafted)]], len(drafted)
 
 
 def generate(target, input_ids: torch.Tensor, *, max_new_tokens: int, temperature: float = 0.0,
@@ -113,7 +135,10 @@ def generate(target, input_ids: torch.Tensor, *, max_new_tokens: int, temperatur
     new: list[int] = []
     while len(new) < max_new_tokens:
         logits = _feed(runner, committed, [], 1)[0]
-        token = int(sample(warp_probs(logits, temperature, top_k, top_p), generator))
+        if temperature == 0:  # exact greedy, as warp_probs' one-hot would give
+            token = int(logits.argmax())
+        else:
+            token = int(sample(warp_probs(logits, temperature, top_k, top_p), generator))
         new.append(token)
         committed.append(token)
         if _cut_at_eos([token], eos_token_id)[1]:
@@ -141,6 +166,8 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, *, k: int, max_
     target_runner.reset()
     draft_runner.reset()
     warp = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    greedy = temperature == 0
+    draft_ids = draft_runner.subset_ids  # [N] token id of each draft row; None: rows are token ids
 
     committed = input_ids[0].tolist()
     prompt_len = len(committed)
@@ -155,18 +182,24 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, *, k: int, max_
         k_block = min(k, remaining - 1)  # a block emits up to k_block + 1 tokens
 
         drafted: list[int] = []
-        draft_probs = []  # each [V]: the distribution drafted[i] was sampled from
+        draft_probs = []  # each [N] over the draft's output rows: what drafted[i] was sampled from
         for _ in range(k_block):
-            logits = _feed(draft_runner, committed, drafted[-1:] if drafted else [], 1)[0]
-            probs = warp_probs(logits, **warp)
-            drafted.append(int(sample(probs, generator)))
-            draft_probs.append(probs)
+            logits = _feed(draft_runner, committed, drafted[-1:], 1, full_vocab=False)[0]  # [N]
+            if greedy:
+                row = int(logits.argmax())
+            else:
+                probs = warp_probs(logits, **warp)
+                row = int(sample(probs, generator))
+                draft_probs.append(probs)
+            drafted.append(row if draft_ids is None else int(draft_ids[row]))
 
         # One target forward over [unseen committed..., d_1..d_k]; keep the last k_block + 1 rows.
         target_logits = _feed(target_runner, committed, drafted, k_block + 1)  # [k_block+1, V]
-        target_probs = warp_probs(target_logits, **warp)
-
-        emitted, accepted = verify_block(drafted, draft_probs, target_probs, generator)
+        if greedy:
+            emitted, accepted = verify_greedy(drafted, target_logits)
+        else:
+            emitted, accepted = verify_block(drafted, draft_probs, warp_probs(target_logits, **warp),
+                                             generator, draft_ids)
         tried = min(len(drafted), accepted + 1)
 
         emitted, hit_eos = _cut_at_eos(emitted, eos_token_id)

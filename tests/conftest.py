@@ -21,6 +21,14 @@ def small_llama(vocab_size: int = 16, hidden: int = 32, layers: int = 1, seed: i
     return LlamaForCausalLM(config).eval()
 
 
+def subset_llama(vocab_ids: list[int], full_vocab_size: int, seed: int = 1) -> LlamaForCausalLM:
+    """A vocabulary-subset draft: rows for `vocab_ids` plus the "other" row (see decode/runner.py)."""
+    draft = small_llama(vocab_size=len(vocab_ids) + 1, seed=seed)
+    draft.config.draft_vocab_ids = list(vocab_ids)
+    draft.config.full_vocab_size = full_vocab_size
+    return draft
+
+
 class NegatedLlama(LlamaForCausalLM):
     """A draft whose greedy choice is never the target's: it returns the target's logits negated."""
 

@@ -5,7 +5,7 @@ import torch
 from scipy import stats as scipy_stats
 
 from decode.sampling import sample
-from decode.speculative import verify_block
+from decode.speculative import verify_block, verify_greedy
 
 V = 6
 P_MIN = 1e-4
@@ -111,3 +111,36 @@ def test_greedy_one_hot_is_exact():
     assert emitted == [3, 1] and accepted == 1
     emitted, accepted = verify_block([3, 4], [eye[3], eye[4]], torch.stack([eye[3], eye[4], eye[5]]))
     assert emitted == [3, 4, 5] and accepted == 2
+
+
+def test_subset_rows_give_the_full_vocabulary_rule():
+    """A draft over a subset's rows (draft_ids) decides exactly as the same draft spread over the
+    full vocabulary: same accept/reject choices and the same residual samples, draw for draw."""
+    gen = torch.Generator().manual_seed(5)
+    draft_ids = torch.tensor([0, 2, 3, 5])  # the draft can emit only these ids
+    for trial in range(200):
+        k = 1 + trial % 3
+        target = torch.stack([random_dist(gen) for _ in range(k + 1)])
+        rows = [torch.rand(len(draft_ids), generator=gen) + 0.05 for _ in range(k)]
+        rows = [r / r.sum() for r in rows]
+        full = [torch.zeros(V).index_copy_(0, draft_ids, r) for r in rows]
+        drafted = [int(draft_ids[sample(r, gen)]) for r in rows]
+        seed = int(torch.randint(0, 2**31, (), generator=gen))
+        by_rows = verify_block(drafted, rows, target, torch.Generator().manual_seed(seed), draft_ids)
+        by_vocab = verify_block(drafted, full, target, torch.Generator().manual_seed(seed))
+        assert by_rows == by_vocab
+
+
+def test_verify_greedy_equals_the_one_hot_rule():
+    """T = 0: the argmax shortcut decides as verify_block does on one-hot distributions."""
+    gen = torch.Generator().manual_seed(6)
+    eye = torch.eye(V)
+    for trial in range(300):
+        k = 1 + trial % 4
+        target_logits = torch.randn(k + 1, V, generator=gen)
+        best = target_logits.argmax(-1)
+        # Drafted tokens agree with the target's argmax for a random prefix, then are random.
+        agree = int(torch.randint(0, k + 1, (), generator=gen))
+        drafted = [int(best[i]) if i < agree else int(torch.randint(0, V, (), generator=gen)) for i in range(k)]
+        expected = verify_block(drafted, [eye[t] for t in drafted], eye[best])
+        assert verify_greedy(drafted, target_logits) == expected

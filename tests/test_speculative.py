@@ -8,7 +8,7 @@ from scipy import stats as scipy_stats
 
 from decode import generate, speculative_generate
 from decode.runner import ModelRunner, make_runner
-from tests.conftest import negated_copy, small_llama
+from tests.conftest import negated_copy, small_llama, subset_llama
 
 PROMPT = torch.tensor([[0, 3, 7, 2, 9]])
 
@@ -18,10 +18,18 @@ def continuations(fn, n, seed):
     return Counter(tuple(fn(gen).tolist()) for _ in range(n))
 
 
+# A subset draft speaks 9 of the 16 ids: every token outside them reaches the output only
+# through the residual of a rejection.
+SUBSET_IDS = [0, 1, 2, 3, 5, 7, 9, 11, 13]
+
+
 @pytest.mark.parametrize("warp", [dict(temperature=1.0), dict(temperature=0.7, top_k=5, top_p=0.9)])
-def test_sequence_distribution_matches_target(pair, warp):
+@pytest.mark.parametrize("draft_kind", ["full", "subset"])
+def test_sequence_distribution_matches_target(pair, warp, draft_kind):
     """Two-sample χ² on the joint histogram of 3-token continuations."""
     target, draft = pair
+    if draft_kind == "subset":
+        draft = subset_llama(SUBSET_IDS, 16)
     t_runner, d_runner = make_runner(target, 16), make_runner(draft, 16)
     n = 1000
     spec = continuations(lambda g: speculative_generate(
