@@ -4,9 +4,10 @@ Why: batch-1 decoding of a small model on a CPU is limited by two things the Hug
 forward does not optimise for:
   * framework overhead per step (module calls, cache objects, mask building): most of a
     small draft's step;
-  * MKL's GEMM for a handful of rows (verifying k + 1 tokens): slow in the `x @ W.T` layout
-    that `nn.Linear` uses.
-This runner reads the HF model's weights (fusing q/k/v and gate/up into one matrix each)
+  * the matmul of a handful of rows (verifying k + 1 tokens): MKL runs it far below the core's
+    peak, while oneDNN with pre-packed weights runs up to ~12 rows in about the time of one.
+This runner reads the HF model's weights (fusing q/k/v and gate/up into one matrix each, and
+packing a oneDNN copy of every projection on CPU fp32)
 and runs its own forward: RMSNorm, rotary embeddings from a precomputed table, grouped-query
 attention over a preallocated cache written by position, SiLU MLP, and the output head only
 for the rows asked for. Rolling back is just moving `length`.
@@ -51,38 +52,54 @@ def lean_supported(model: torch.nn.Module) -> bool:
     )
 
 
-# `_linear` uses the `w @ x.T` layout for at most SMALL_M rows and at least MIN_IN input features.
-SMALL_M = 12
+# Row counts (M) and layouts, measured on a 2-core AMD EPYC (Zen 4), fp32, over the 30 layers and
+# output head of SmolLM2-135M, 1 thread (ms per forward's matmuls):
+#                         M = 1    2    3    5    9   12
+#   F.linear (MKL)           40   58   69   56   64    -
+#   torch.mm(w, x.T) (MKL)   30   31   50   61  111  146
+#   oneDNN, packed weights   39   48   34   30   41   47
+# MKL runs 1-2 rows at memory speed but 3+ rows at a fraction of the core's AVX-512 peak;
+# oneDNN with weights reordered once into its blocked layout runs 3-12 rows in about the time
+# of one. So M >= PACKED_MIN_M uses the packed weights, M <= 2 uses w @ x.T (one row duplicated
+# into two), and inputs narrower than MIN_IN (a small draft's 64-192 features) use gemv for M = 1.
+PACKED_MIN_M = 3
 MIN_IN = 256
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor, small_m_layout: bool) -> torch.Tensor:
-    """x [M, in] @ w[out, in].T -> contiguous [M, out].
+def _packed_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
-    small_m_layout (CPU, fp32): MKL on a 2-core AMD EPYC, 1 thread, over the 30 layers of
-    SmolLM2-135M: M = 1 through `F.linear` (gemv) takes ~40 ms but torch.mm(w, x.T) with M = 2
-    ~27 ms; M = 3-5 take 41-53 ms that way against 65-77 ms through `F.linear`. The
-    49152 x 576 output head is where it matters most: with 2 threads, `F.linear` takes 17-38 ms
-    for M = 4-9 rows against 5-11 ms as w @ x.T, which lowered r(5..8) of the embedded target
-    from 3.0-3.8 to 2.0-2.8. So up to SMALL_M rows use w @ x.T, with a single row duplicated
-    into two. With fewer than MIN_IN input features
-    (64-128) the duplicated row costs more than gemv: plain `F.linear` there.
-    """
-    m = x.shape[0]
-    if not small_m_layout or m > SMALL_M or w.shape[1] < MIN_IN:
-        return F.linear(x, w)
-    x = x.contiguous()
-    if m == 1:
-        x = torch.cat([x, x])  # [2, in]
-    return torch.mm(w, x.t())[:, :m].t().contiguous()  # [out, 2 or M] -> [M, out]
+
+class _Projection:
+    """One weight w [out, in] with the layout each row count runs fastest in; called as x @ w.T.
+
+    The packed copy (CPU fp32 only) doubles this weight's memory."""
+
+    def __init__(self, w: torch.Tensor, cpu_fp32: bool):
+        self.w = w
+        self.cpu_fp32 = cpu_fp32
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 8) if cpu_fp32 and _packed_available() else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in] -> contiguous [M, out]."""
+        m = x.shape[0]
+        if self.packed is not None and m >= PACKED_MIN_M:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, None, "none", [], "")
+        if not self.cpu_fp32 or m >= PACKED_MIN_M or self.w.shape[1] < MIN_IN:
+            return F.linear(x, self.w)
+        x = x.contiguous()
+        if m == 1:
+            x = torch.cat([x, x])  # [2, in]
+        return torch.mm(self.w, x.t())[:, :m].t().contiguous()  # [out, 2 or M] -> [M, out]
 
 
 class LeanLlamaRunner:
     """Batch-1 Llama forward with a static cache [layers, kv_heads, capacity, head_dim].
 
     Same interface as `decode.runner.ModelRunner`. The weights are read when the runner is
-    built (fused copies of q/k/v and gate/up, views of the rest; the fused copies add ~half
-    the layers' size in memory): build a new runner after changing the model's weights.
+    built (fused copies of q/k/v and gate/up, views of the rest, and on CPU fp32 a packed copy
+    of every projection: about 2x the model's size in extra memory, ~1 GB for SmolLM2-135M):
+    build a new runner after changing the model's weights.
     """
 
     def __init__(self, model: LlamaForCausalLM, vocab_size: int):
@@ -101,7 +118,7 @@ class LeanLlamaRunner:
         self.n_kv = cfg.num_key_value_heads
         self.head_dim = model.model.layers[0].self_attn.q_proj.weight.shape[0] // self.n_heads
         self.eps = cfg.rms_norm_eps
-        self.small_m_layout = self.device.type == "cpu" and self.dtype == torch.float32
+        cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
 
         with torch.no_grad():
             self.embed = embed
@@ -110,17 +127,17 @@ class LeanLlamaRunner:
                 a, m = layer.self_attn, layer.mlp
                 self.layers.append((
                     layer.input_layernorm.weight,  # [hidden]
-                    torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),  # [(H + 2 KV) D, hidden]
-                    a.o_proj.weight,  # [hidden, H D]
+                    _Projection(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), cpu_fp32),
+                    _Projection(a.o_proj.weight, cpu_fp32),  # [hidden, H D]
                     layer.post_attention_layernorm.weight,  # [hidden]
-                    torch.cat([m.gate_proj.weight, m.up_proj.weight]),  # [2 I, hidden]
-                    m.down_proj.weight,  # [hidden, I]
+                    _Projection(torch.cat([m.gate_proj.weight, m.up_proj.weight]), cpu_fp32),  # [2 I, hidden]
+                    _Projection(m.down_proj.weight, cpu_fp32),  # [hidden, I]
                 ))
             self.norm = model.model.norm.weight  # [hidden]
             # Output rows that mean tokens: the subset's N rows (not "other"), else the shared
             # vocabulary (embedding rows padded beyond it are never scored).
             n_out = self.subset_ids.shape[0] if self.subset_ids is not None else vocab_size
-            self.lm_head = model.lm_head.weight[:n_out]  # [n_out, hidden]
+            self.lm_head = _Projection(model.lm_head.weight[:n_out], cpu_fp32)  # [n_out, hidden]
             if self.subset_ids is not None:
                 self.scatter_index = self.subset_ids[None]  # [1, N]
 
@@ -178,7 +195,6 @@ class LeanLlamaRunner:
         self._reserve(end)
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
         group = H // KV
-        small = self.small_m_layout
         cos, sin = self.cos[start:end, None], self.sin_signed[start:end, None]  # [M, 1, D]
         # The H query heads are laid out as KV groups x (group heads x M rows), [1, KV, group M, D],
         # so each group attends its one KV head. Query row (g, i) at position start + i sees keys
@@ -189,7 +205,7 @@ class LeanLlamaRunner:
 
         x = self.embed[ids]  # [M, hidden]
         for i, (w_in, w_qkv, w_o, w_post, w_gu, w_down) in enumerate(self.layers):
-            qkv = _linear(self._rms_norm(x, w_in), w_qkv, small).view(m, H + 2 * KV, D)
+            qkv = w_qkv(self._rms_norm(x, w_in)).view(m, H + 2 * KV, D)
             qk = qkv[:, : H + KV]  # q and k heads get the same rotation: [M, H + KV, D]
             qk = qk * cos + qk.roll(D // 2, dims=-1) * sin
             k_cache, v_cache = self.k_cache[i], self.v_cache[i]  # [KV, capacity, D]
@@ -200,14 +216,14 @@ class LeanLlamaRunner:
             attn = F.scaled_dot_product_attention(q, k_cache[None, :, :end], v_cache[None, :, :end],
                                                   attn_mask=mask)  # [1, KV, group M, D]
             attn = attn.view(KV, group, m, D).permute(2, 0, 1, 3).reshape(m, H * D)
-            x = x + _linear(attn, w_o, small)
-            gate_up = _linear(self._rms_norm(x, w_post), w_gu, small)  # [M, 2 I]
+            x = x + w_o(attn)
+            gate_up = w_gu(self._rms_norm(x, w_post))  # [M, 2 I]
             inter = gate_up.shape[1] // 2
-            x = x + _linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w_down, small)
+            x = x + w_down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
 
         self.length = end
         h = self._rms_norm(x[-num_logits:], self.norm)  # [num_logits, hidden]
-        logits = _linear(h, self.lm_head, small).float()  # [num_logits, n_out]
+        logits = self.lm_head(h).float()  # [num_logits, n_out]
         if self.subset_ids is None or not full_vocab:
             return logits
         full = logits.new_full((num_logits, self.vocab_size), float("-inf"))

@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from decode import generate, speculative_generate
-from decode.lean import CACHE_CHUNK, LeanLlamaRunner, lean_supported
+from decode.lean import CACHE_CHUNK, MIN_IN, LeanLlamaRunner, _Projection, lean_supported
 from decode.models import tiny_model
 from decode.runner import ModelRunner, make_runner
 
@@ -13,7 +13,7 @@ ATOL = 1e-4
 
 
 def _llama(seed=0, **overrides) -> LlamaForCausalLM:
-    # Hidden 256 puts every projection on `_linear`'s w @ x.T path (>= MIN_IN inputs); untied
+    # Hidden 256 puts every projection on the w @ x.T path for 1-2 rows (>= MIN_IN inputs); untied
     # embeddings, 8 query heads over 2 KV heads, a non-default rope theta.
     shape = dict(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
@@ -46,6 +46,20 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
     assert a.shape == b.shape and a.dtype == b.dtype == torch.float32
     torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
     assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@pytest.mark.parametrize("in_features", [64, MIN_IN, 576])
+def test_projection_layouts_compute_x_times_w_transposed(in_features):
+    """Every row count's layout (gemv, w @ x.T, packed oneDNN) gives x @ w.T."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(300, in_features, generator=gen) / in_features**0.5
+    proj = _Projection(w, cpu_fp32=True)
+    assert proj.packed is not None  # the CPU build ships oneDNN: the fast path must be on
+    for m in range(1, 15):
+        x = torch.randn(m, in_features, generator=gen)
+        got = proj(x)
+        assert got.shape == (m, 300) and got.is_contiguous()
+        torch.testing.assert_close(got, x @ w.T, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", MODELS)
