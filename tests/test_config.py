@@ -1,6 +1,7 @@
 """RELIABILITY 12, 23: configuration errors are clear and happen before any model loads."""
 
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,17 @@ def test_tiny_and_default_configs_load():
     cfg = load_config(TINY)
     assert cfg.target == "tiny:target" and cfg.eval.ks
     assert load_config("configs/smollm2.yaml").target == "embedded:smollm2-135m-instruct"
+
+
+# fsdp.yaml is accelerate's launch config, not a stage config.
+STAGE_CONFIGS = sorted(str(p) for p in Path("configs").glob("*.yaml") if p.name != "fsdp.yaml")
+
+
+@pytest.mark.parametrize("path", STAGE_CONFIGS)
+def test_every_shipped_stage_config_loads(path):
+    """Typos or wrong types in a shipped preset fail here, not an hour into someone's run."""
+    cfg = load_config(path)
+    assert cfg.name and cfg.target and cfg.eval.ks
 
 
 def test_overrides_are_typed_and_nested():
