@@ -17,7 +17,8 @@ def test_tiny_and_default_configs_load():
 
 
 # fsdp.yaml is accelerate's launch config, not a stage config.
-STAGE_CONFIGS = sorted(str(p) for p in Path("configs").glob("*.yaml") if p.name != "fsdp.yaml")
+STAGE_CONFIGS = sorted(str(p) for p in (Path(__file__).parents[1] / "configs").glob("*.yaml")
+                       if p.name != "fsdp.yaml")
 
 
 @pytest.mark.parametrize("path", STAGE_CONFIGS)
