@@ -81,6 +81,8 @@ class GenerateConfig:
 class DistillConfig:
     data_dirs: list[str] = field(default_factory=lambda: ["data/default"])
     """generate-data output folders (generated and/or scored shards) to train on."""
+    sources: list[str] = field(default_factory=list)
+    """Only rows from these prompt sources, e.g. [gsm8k] for a workload-specialised draft (empty = all)."""
     out_dir: str = "runs/default"
     """Run folder: checkpoints/step-N/, final/, metrics."""
     init: str = "scratch"

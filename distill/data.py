@@ -107,10 +107,19 @@ def make_example(row: dict, max_seq_len: int, need_topk: bool) -> Example | None
                    row["source"])
 
 
-def load_examples(data_dirs: list[str], max_seq_len: int, need_topk: bool) -> tuple[list[Example], list[Example]]:
-    """(train, eval) examples; the split is the one generate-data chose (by prompt)."""
+def load_examples(data_dirs: list[str], max_seq_len: int, need_topk: bool,
+                  sources: list[str] | None = None) -> tuple[list[Example], list[Example]]:
+    """(train, eval) examples; the split is the one generate-data chose (by prompt).
+    sources: keep only rows from these prompt sources (a workload-specialised draft); None/[] = all."""
+    rows = read_rows(data_dirs, need_topk)
+    if sources:
+        present = sorted({row["source"] for row in rows})
+        unknown = sorted(set(sources) - set(present))
+        if unknown:
+            raise DataError(f"distill.sources {unknown} not in {data_dirs}; their rows come from {present}")
+        rows = [row for row in rows if row["source"] in sources]
     train, held_out = [], []
-    for row in read_rows(data_dirs, need_topk):
+    for row in rows:
         example = make_example(row, max_seq_len, need_topk)
         if example is not None:
             (held_out if row["split"] == "eval" else train).append(example)

@@ -134,7 +134,8 @@ def train(config) -> dict:
     out_dir = Path(dc.out_dir)
     say = print if is_main else (lambda *a, **k: None)
 
-    train_set, eval_set = load_examples(dc.data_dirs, dc.max_seq_len, need_topk=dc.teacher == "cached")
+    train_set, eval_set = load_examples(dc.data_dirs, dc.max_seq_len, need_topk=dc.teacher == "cached",
+                                         sources=dc.sources)
     eval_set = eval_set[: dc.eval_samples]
     tokenizer = load_tokenizer(config.target)
     target = load_model(config.target)  # fp32 on CPU: sizing, embedding init, and the online teacher

@@ -306,3 +306,17 @@ def test_missing_teacher_cache_is_a_clear_error(tmp_path):
     refresh_manifest(shard_dir)
     with pytest.raises(DataError, match="teacher_topk"):
         load_examples([str(shard_dir)], 64, need_topk=True)
+
+
+def test_source_filter_keeps_one_workload(tmp_path):
+    shard_dir = tmp_path / "mixed"
+    shard_dir.mkdir()
+    rows = [dict(prompt_ids=[1, 2], completion_ids=[3, 4], split=split, source=source)
+            for source in ("gsm8k", "freshqa") for split in ("train", "train", "eval")]
+    pq.write_table(pa.Table.from_pylist(rows), shard_dir / "a.parquet")
+    refresh_manifest(shard_dir)
+    train_set, eval_set = load_examples([str(shard_dir)], 64, need_topk=False, sources=["gsm8k"])
+    assert [e.source for e in train_set] == ["gsm8k", "gsm8k"] and [e.source for e in eval_set] == ["gsm8k"]
+    assert len(load_examples([str(shard_dir)], 64, need_topk=False)[0]) == 4
+    with pytest.raises(DataError, match=r"\['humaneval'\] not in .*\['freshqa', 'gsm8k'\]"):
+        load_examples([str(shard_dir)], 64, need_topk=False, sources=["humaneval"])
