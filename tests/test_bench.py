@@ -2,8 +2,12 @@
 
 import json
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def make(target: str, *args: str) -> subprocess.CompletedProcess:
@@ -40,7 +44,17 @@ def check_report(eval_dir, ks, temperatures):
 def test_eval_speedup_with_an_untrained_draft(tmp_path):
     result = make("eval-speedup", "draft=tiny:draft", "eval.prompts=[gsm8k]", f"eval.out_dir={tmp_path}")
     assert "full report:" in result.stdout
-    check_report(tmp_path, ks=[2, 4], temperatures=[0.0, 0.7])
+    report = check_report(tmp_path, ks=[2, 4], temperatures=[0.0, 0.7])
+    # The draft comparison script lines reports up: one row per (prompt set, T), best k by speedup.
+    table = tmp_path / "comparison.md"
+    subprocess.run([sys.executable, str(ROOT / "scripts/compare_drafts.py"), f"untrained={tmp_path}",
+                    "--out", str(table)], check=True, capture_output=True, cwd=ROOT)
+    rows = [line.split(" | ") for line in table.read_text().splitlines() if line.startswith("| untrained")]
+    assert len(rows) == 2
+    for row in rows:
+        temperature = float(row[4])
+        best = max((r for r in report["results"] if r["temperature"] == temperature), key=lambda r: r["speedup"])
+        assert row[8] == str(best["k"]) and row[10].rstrip(" |") == f"{best['speedup']:.2f}×"
 
 
 @pytest.mark.slow
