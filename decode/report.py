@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def _fmt(x, digits=2):
-    return "–" if x is None else f"{x:.{digits}f}"
+def _fmt(x, digits=2, unit=""):
+    return "–" if x is None else f"{x:.{digits}f}{unit}"
 
 
 def write_markdown(report: dict, path: Path) -> None:
@@ -44,7 +44,7 @@ def write_markdown(report: dict, path: Path) -> None:
         for row in report["hf"]:
             lines.append(f"| {row['prompt_set']} | {row['method']} | {row.get('k') or '–'} | "
                          f"{_fmt(row['tok_s'], 1)} | {_fmt(row['vs_our_baseline'])}× | "
-                         f"{_fmt(row.get('ours_over_this'))}× | {row['identical_to_ours']} |")
+                         f"{_fmt(row.get('ours_over_this'), unit='×')} | {row['identical_to_ours']} |")
     lines += ["", "## Per prompt", "", "| prompts | prompt | T | k | tokens | speedup | greedy identical |",
               "|---|---|---|---|---|---|---|"]
     for run in report["runs"]:
