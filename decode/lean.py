@@ -52,12 +52,12 @@ def lean_supported(model: torch.nn.Module) -> bool:
     )
 
 
-# Row counts (M) and layouts, measured on a 2-core AMD EPYC (Zen 4), fp32, over the 30 layers and
-# output head of SmolLM2-135M, 1 thread (ms per forward's matmuls):
+# Row counts (M) and layouts, measured on a 2-core AMD EPYC (Zen 4), fp32, 1 thread, ms for the
+# matmuls of one SmolLM2-135M forward (30 layers + output head, weights streamed from memory):
 #                         M = 1    2    3    5    9   12
-#   F.linear (MKL)           40   58   69   56   64    -
 #   torch.mm(w, x.T) (MKL)   30   31   50   61  111  146
-#   oneDNN, packed weights   39   48   34   30   41   47
+#   oneDNN, packed weights   38   49   32   30   41   46
+# (F.linear, layers only, another run: 35 58 69 56 64 for M = 1, 2, 3, 5, 9.)
 # MKL runs 1-2 rows at memory speed but 3+ rows at a fraction of the core's AVX-512 peak;
 # oneDNN with weights reordered once into its blocked layout runs 3-12 rows in about the time
 # of one. So M >= PACKED_MIN_M uses the packed weights, M <= 2 uses w @ x.T (one row duplicated
