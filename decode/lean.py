@@ -80,16 +80,16 @@ class _Projection:
 
     def __init__(self, w: torch.Tensor, cpu_fp32: bool):
         self.w = w
-        self.cpu_fp32 = cpu_fp32
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 8) if cpu_fp32 and _packed_available() else None
+        # w @ x.T for 1-2 rows, except a small draft layer's weight (gemv is faster there).
+        self.mm_for_few_rows = cpu_fp32 and not (w.shape[1] < MIN_IN and w.shape[0] < MIN_OUT)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, in] -> contiguous [M, out]."""
         m = x.shape[0]
         if self.packed is not None and m >= PACKED_MIN_M:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, None, "none", [], "")
-        small = self.w.shape[1] < MIN_IN and self.w.shape[0] < MIN_OUT
-        if not self.cpu_fp32 or m >= PACKED_MIN_M or small:
+        if m >= PACKED_MIN_M or not self.mm_for_few_rows:
             return F.linear(x, self.w)
         x = x.contiguous()
         if m == 1:
