@@ -130,7 +130,7 @@ def generate_batch(runner, prompts: list[list[int]], uniforms: torch.Tensor, *, 
             values = candidates[0][alive_d, :teacher_topk] - logits[alive_d].logsumexp(-1, keepdim=True)
             topk_ids[rows[alive], t] = candidates[1][alive_d, :teacher_topk].to(torch.int32).cpu()
             topk_logprobs[rows[alive], t] = values.cpu()  # [b, K]
-        next_ids = draw(logits, uniforms[rows, t], temperature, top_k, top_p, candidates)  # [cache rows]
+        next_ids = draw(logits, uniforms[rows, t].to(device), temperature, top_k, top_p, candidates)  # [cache rows]
         next_cpu = next_ids.cpu()
         tokens[rows[alive], t] = next_cpu[alive]
         just_ended = alive & torch.isin(next_cpu, eos)
