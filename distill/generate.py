@@ -12,6 +12,7 @@ that are missing. Rank 0 writes manifest.json once every rank has passed the fin
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
 import os
 import platform
@@ -201,13 +202,16 @@ def _git_sha() -> str | None:
 
 
 def _versions() -> dict:
-    import datasets
-    import pyarrow
-    import transformers
+    """Installed versions for the manifest, read from package metadata (None if absent): a
+    version lookup must never fail a finished run."""
+    def version(name: str) -> str | None:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
 
     return {"python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "datasets": datasets.__version__,
-            "pyarrow": pyarrow.__version__}
+            **{name: version(name) for name in ("transformers", "datasets", "pyarrow")}}
 
 
 def write_manifest(out_dir: Path, config: Config, print_: dict, prompt_set, shards, throughput: list[dict]) -> dict:
