@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import itertools
 import json
 import platform
 import statistics
@@ -86,23 +87,27 @@ def prompt_seed(seed: int, prompt_id: str, temperature: float) -> int:
 
 
 def aggregate(runs: list[dict], cost: dict) -> list[dict]:
-    """One row per (prompt set, temperature, k): pooled tokens/s and merged acceptance statistics."""
+    """One row per (prompt set, temperature, proposer, k): pooled tokens/s and merged acceptance statistics."""
     rows = []
-    keys = sorted({(r["prompt_set"], r["temperature"], r["k"]) for r in runs})
-    for prompt_set, temperature, k in keys:
-        group = [r for r in runs if (r["prompt_set"], r["temperature"], r["k"]) == (prompt_set, temperature, k)]
+    keys = sorted({(r["prompt_set"], r["temperature"], r["proposer"], r["k"]) for r in runs})
+    for prompt_set, temperature, proposer, k in keys:
+        group = [r for r in runs if (r["prompt_set"], r["temperature"], r["proposer"], r["k"])
+                 == (prompt_set, temperature, proposer, k)]
         stats = SpeculativeStats(k=k)
         for r in group:
             stats = stats.merge(SpeculativeStats(**{f: r["stats"][f] for f in (
-                "k", "proposed", "tried", "accepted", "emitted", "target_forwards", "position_tried",
-                "position_accepted", "accept_length_hist")}))
+                "k", "proposed", "tried", "accepted", "emitted", "target_forwards", "looked_up",
+                "looked_up_accepted", "position_tried", "position_accepted", "accept_length_hist")}))
         base_tok_s = sum(r["baseline_tokens"] for r in group) / sum(r["baseline_s"] for r in group)
         spec_tok_s = sum(r["speculative_tokens"] for r in group) / sum(r["speculative_s"] for r in group)
-        predicted = predicted_speedup(stats.tau, k, cost["c"], cost["r"][k]) if k in cost["r"] else None
+        predicted = (predicted_speedup(stats.tau, stats.draft_steps_per_forward, cost["c"], cost["r"][k])
+                     if k in cost["r"] else None)
         speedup = spec_tok_s / base_tok_s
         greedy = [r["greedy_identical"] for r in group if r["greedy_identical"] is not None]
         rows.append({
-            "prompt_set": prompt_set, "temperature": temperature, "k": k, "n_prompts": len(group),
+            "prompt_set": prompt_set, "temperature": temperature, "proposer": proposer, "k": k,
+            "n_prompts": len(group), "looked_up": stats.looked_up, "looked_up_accepted": stats.looked_up_accepted,
+            "draft_steps_per_forward": stats.draft_steps_per_forward,
             "alpha": stats.alpha, "token_acceptance": stats.token_acceptance, "tau": stats.tau, "per_position_acceptance": stats.per_position_acceptance,
             "accept_length_hist": stats.accept_length_hist,
             "baseline_tok_s": base_tok_s, "speculative_tok_s": spec_tok_s, "speedup": speedup,
@@ -118,7 +123,8 @@ def aggregate(runs: list[dict], cost: dict) -> list[dict]:
 def verdict(results: list[dict]) -> str:
     best = max(results, key=lambda r: r["speedup"])
     if best["speedup"] > 1.05:
-        return (f"GO: this draft speeds up this target here by {best['speedup']:.2f}× at k={best['k']} "
+        return (f"GO: this draft{' with prompt lookup' if best['proposer'] != 'draft' else ''} speeds up "
+                f"this target here by {best['speedup']:.2f}× at k={best['k']} "
                 f"(T={best['temperature']}, {best['prompt_set']}; α={best['alpha']:.2f}, τ={best['tau']:.2f}).")
     return (f"NO-GO: best measured speedup {best['speedup']:.2f}× (k={best['k']}, T={best['temperature']}, "
             f"{best['prompt_set']}); target-only decoding is as fast or faster here.")
@@ -160,7 +166,9 @@ def main(argv: list[str] | None = None) -> dict:
     cost = cost_model(target_runner, draft_runner, list(first[0].tolist()), ev.r_max_k)
 
     n_prompts = sum(len(p) for p in prompt_sets.values())
-    progress = tqdm(total=n_prompts * len(ev.temperatures) * (1 + len(ev.ks)), desc="eval-speedup",
+    # Each k runs with the draft alone, and with prompt lookup added when eval.lookup_ngram > 0.
+    proposers = {"draft": 0} | ({"draft+lookup": ev.lookup_ngram} if ev.lookup_ngram else {})
+    progress = tqdm(total=n_prompts * len(ev.temperatures) * (1 + len(ev.ks) * len(proposers)), desc="eval-speedup",
                     dynamic_ncols=True)
     runs, samples = [], []
     greedy_tokens: dict[tuple[str, str], list[int]] = {}  # target-only greedy output, for the HF checks
@@ -179,25 +187,26 @@ def main(argv: list[str] | None = None) -> dict:
                     greedy_tokens[(set_name, prompt.prompt_id)] = base.tolist()
                 samples.append({"prompt_set": set_name, "prompt_id": prompt.prompt_id, "temperature": temperature,
                                 "method": "target-only", "text": tokenizer.decode(base)})
-                for k in ev.ks:
+                for k, (proposer, lookup_ngram) in itertools.product(ev.ks, proposers.items()):
                     spec_s: list[float] = []
                     with timed(device, spec_s):
                         out = speculative_generate(target, draft, input_ids, k=k, max_new_tokens=ev.max_new_tokens,
                                                    target_runner=target_runner, draft_runner=draft_runner,
                                                    generator=torch.Generator(device).manual_seed(seed + k),
-                                                   **sampling)
+                                                   lookup_ngram=lookup_ngram, **sampling)
                     progress.update(1)
                     speedup = (len(out.tokens) / spec_s[0]) / (len(base) / base_s[0])
                     runs.append({"prompt_set": set_name, "prompt_id": prompt.prompt_id, "temperature": temperature,
-                                 "k": k, "prompt_tokens": len(prompt.token_ids),
+                                 "proposer": proposer, "k": k, "prompt_tokens": len(prompt.token_ids),
                                  "baseline_tokens": len(base), "baseline_s": base_s[0],
                                  "speculative_tokens": len(out.tokens), "speculative_s": spec_s[0],
                                  "speedup": speedup, "stats": {**out.stats.to_dict(),
                                                                "position_tried": out.stats.position_tried,
                                                                "position_accepted": out.stats.position_accepted},
                                  "greedy_identical": out.tokens.tolist() == base.tolist() if temperature == 0 else None})
+                    method = f"speculative k={k}" + (" + lookup" if lookup_ngram else "")
                     samples.append({"prompt_set": set_name, "prompt_id": prompt.prompt_id, "temperature": temperature,
-                                    "method": f"speculative k={k}", "text": tokenizer.decode(out.tokens)})
+                                    "method": method, "text": tokenizer.decode(out.tokens)})
                     progress.set_postfix(speedup=f"{speedup:.2f}", alpha=f"{out.stats.alpha:.2f}")
     progress.close()
     results = aggregate(runs, cost)
@@ -235,7 +244,8 @@ def hf_comparisons(cfg, target, draft, prompt_sets, results, greedy_tokens, eos,
     ev = cfg.eval
     assistant = full_vocab_view(draft, vocab) if getattr(draft.config, "draft_vocab_ids", None) else draft
     methods = [("hf greedy", None)] + [(m, k) for k in ev.hf_ks for m in ("hf assisted", "hf prompt lookup")]
-    ours = {(r["prompt_set"], r["k"]): r for r in results if r["temperature"] == 0}
+    # HF assisted generation runs the draft alone: compare it with our draft-only rows.
+    ours = {(r["prompt_set"], r["k"]): r for r in results if r["temperature"] == 0 and r["proposer"] == "draft"}
     rows = []
     for set_name, prompts in prompt_sets.items():
         base_rows = [r for r in results if r["prompt_set"] == set_name and r["temperature"] == 0]
@@ -275,11 +285,12 @@ def write_outputs(report: dict, samples: list[dict], out_dir: Path) -> None:
 
 
 def print_headline(report: dict, out_dir: Path) -> None:
-    print(f"\n{'prompts':<22}{'T':>5}{'k':>4}{'alpha':>8}{'tau':>7}{'speedup':>9}{'pred':>7}  greedy-identical")
+    print(f"\n{'prompts':<22}{'T':>5}{'proposer':>14}{'k':>4}{'alpha':>8}{'tau':>7}{'speedup':>9}{'pred':>7}"
+          "  greedy-identical")
     for r in report["results"]:
         same = "-" if r["greedy_identical"] is None else str(r["greedy_identical"])
         pred = f"{r['predicted_speedup']:.2f}" if r["predicted_speedup"] else "-"
-        print(f"{r['prompt_set']:<22}{r['temperature']:>5}{r['k']:>4}{r['alpha']:>8.2f}{r['tau']:>7.2f}"
+        print(f"{r['prompt_set']:<22}{r['temperature']:>5}{r['proposer']:>14}{r['k']:>4}{r['alpha']:>8.2f}{r['tau']:>7.2f}"
               f"{r['speedup']:>8.2f}x{pred:>7}  {same}")
     for r in report["hf"]:
         extra = f", ours speculative is {r['ours_over_this']:.2f}x this" if r.get("ours_over_this") else ""

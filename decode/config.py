@@ -162,6 +162,9 @@ class EvalConfig:
     """'auto' (bf16 on GPU, fp32 on CPU), 'fp32' or 'bf16'."""
     hf_ks: list[int] = field(default_factory=lambda: [4])
     """k values for the HF assisted-generation and prompt-lookup comparisons."""
+    lookup_ngram: int = 0
+    """> 0: also run every k with prompt lookup added to the draft (matching the last n..2 tokens,
+    decode/lookup.py), reported as 'draft+lookup' rows next to the draft-only ones (0 = off)."""
 
 
 @dataclass
@@ -213,6 +216,8 @@ class Config:
         for name in ("batch_size", "shard_size", "samples_per_prompt", "max_new_tokens"):
             if getattr(self.generate, name) <= 0:
                 problems.append(f"generate.{name} must be >= 1")
+        if self.eval.lookup_ngram and self.eval.lookup_ngram < 2:
+            problems.append(f"eval.lookup_ngram: {self.eval.lookup_ngram}; use 0 (off) or an n-gram size >= 2")
         if self.eval.dtype not in ("auto", "fp32", "bf16"):
             problems.append(f"eval.dtype: {self.eval.dtype!r} is not 'auto', 'fp32' or 'bf16'")
         if self.eval.max_new_tokens <= 0:

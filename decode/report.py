@@ -21,19 +21,24 @@ def write_markdown(report: dict, path: Path) -> None:
              "speedup = speculative tokens/s ÷ target-only tokens/s, timed interleaved in one process",
              "", "## Headline", "", report["verdict"], "",
              "## Speculative vs target-only", "",
-             "| prompts | T | k | α | τ | target-only tok/s | speculative tok/s | speedup | predicted | "
-             "measured/predicted | greedy identical |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "`draft+lookup` rows add prompt lookup to the draft (decode/lookup.py): looked up = proposed "
+             "tokens that came from an earlier n-gram instead of the draft (accepted ones in brackets).", "",
+             "| prompts | T | proposer | k | α | τ | looked up | target-only tok/s | speculative tok/s | speedup | "
+             "predicted | measured/predicted | greedy identical |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in report["results"]:
         same = "–" if row["greedy_identical"] is None else ("yes" if row["greedy_identical"] else "**NO**")
-        lines.append(f"| {row['prompt_set']} ({row['n_prompts']}) | {row['temperature']} | {row['k']} | "
-                     f"{_fmt(row['alpha'])} | {_fmt(row['tau'])} | {_fmt(row['baseline_tok_s'], 1)} | "
+        looked_up = f"{row['looked_up']} ({row['looked_up_accepted']})" if row["proposer"] != "draft" else "–"
+        lines.append(f"| {row['prompt_set']} ({row['n_prompts']}) | {row['temperature']} | {row['proposer']} | "
+                     f"{row['k']} | {_fmt(row['alpha'])} | {_fmt(row['tau'])} | {looked_up} | "
+                     f"{_fmt(row['baseline_tok_s'], 1)} | "
                      f"{_fmt(row['speculative_tok_s'], 1)} | **{_fmt(row['speedup'])}×** | "
                      f"{_fmt(row['predicted_speedup'])}× | {_fmt(row['measured_over_predicted'])} | {same} |")
     lines += ["", "## Cost model", "",
               f"Measured at a {cm['context_tokens']}-token context: target step {cm['target_step_ms']:.2f} ms, "
               f"draft step {cm['draft_step_ms']:.2f} ms, c = {cm['c']:.3f}. "
-              "Predicted speedup = τ / (k·c + r(k)).", "",
+              "Predicted speedup = τ / (s·c + r(k)), s = draft forwards per target forward "
+              "(k for the draft alone, fewer with prompt lookup).", "",
               "| k | " + " | ".join(str(k) for k in cm["r"]) + " |",
               "|---|" + "---|" * len(cm["r"]),
               "| r(k) | " + " | ".join(f"{v:.2f}" for v in cm["r"].values()) + " |"]
@@ -45,11 +50,11 @@ def write_markdown(report: dict, path: Path) -> None:
             lines.append(f"| {row['prompt_set']} | {row['method']} | {row.get('k') or '–'} | "
                          f"{_fmt(row['tok_s'], 1)} | {_fmt(row['vs_our_baseline'])}× | "
                          f"{_fmt(row.get('ours_over_this'), unit='×')} | {row['identical_to_ours']} |")
-    lines += ["", "## Per prompt", "", "| prompts | prompt | T | k | tokens | speedup | greedy identical |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["", "## Per prompt", "", "| prompts | prompt | T | proposer | k | tokens | speedup | greedy identical |",
+              "|---|---|---|---|---|---|---|---|"]
     for run in report["runs"]:
         same = "–" if run["greedy_identical"] is None else ("yes" if run["greedy_identical"] else "**NO**")
-        lines.append(f"| {run['prompt_set']} | {run['prompt_id']} | {run['temperature']} | {run['k']} | "
+        lines.append(f"| {run['prompt_set']} | {run['prompt_id']} | {run['temperature']} | {run['proposer']} | {run['k']} | "
                      f"{run['speculative_tokens']} | {_fmt(run['speedup'])}× | {same} |")
     lines += ["", "Plots: `acceptance_by_position.png`, `speedup_vs_k.png`. Samples: `samples.jsonl`."]
     path.write_text("\n".join(lines) + "\n")
@@ -62,12 +67,13 @@ def write_plots(report: dict, out_dir: Path) -> None:
     import matplotlib.pyplot as plt
 
     results = report["results"]
-    groups = sorted({(r["prompt_set"], r["temperature"]) for r in results})
+    groups = sorted({(r["prompt_set"], r["temperature"], r["proposer"]) for r in results})
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in results:
         acc = r["per_position_acceptance"]
-        ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{r['prompt_set']} T={r['temperature']} k={r['k']}")
+        ax.plot(range(1, len(acc) + 1), acc, marker="o",
+                label=f"{r['prompt_set']} T={r['temperature']} {r['proposer']} k={r['k']}")
     ax.set(xlabel="draft position", ylabel="P(accept | reached)", ylim=(0, 1.02),
            title="Acceptance by draft position")
     ax.legend(fontsize=7)
@@ -76,11 +82,11 @@ def write_plots(report: dict, out_dir: Path) -> None:
     plt.close(fig)
 
     fig, (ax_tau, ax_speed) = plt.subplots(1, 2, figsize=(10, 4))
-    for prompt_set, temperature in groups:
-        rows = sorted((r for r in results if (r["prompt_set"], r["temperature"]) == (prompt_set, temperature)),
+    for group in groups:
+        rows = sorted((r for r in results if (r["prompt_set"], r["temperature"], r["proposer"]) == group),
                       key=lambda r: r["k"])
         ks = [r["k"] for r in rows]
-        label = f"{prompt_set} T={temperature}"
+        label = "{} T={} {}".format(*group)
         ax_tau.plot(ks, [r["tau"] for r in rows], marker="o", label=label)
         (measured,) = ax_speed.plot(ks, [r["speedup"] for r in rows], marker="o", label=f"{label} measured")
         ax_speed.plot(ks, [r["predicted_speedup"] for r in rows], linestyle="--", marker="x",

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from decode.lookup import MIN_NGRAM, NgramIndex
 from decode.runner import ModelRunner, make_runner, model_vocab_size
 from decode.sampling import sample, warp_probs
 from decode.stats import SpeculativeStats
@@ -83,13 +84,18 @@ def verify_block(drafted: list[int], draft_probs: list[torch.Tensor], target_pro
     """The acceptance rule. Returns (emitted tokens, number of drafted tokens accepted).
 
     drafted[i] was sampled from draft_probs[i]: [V] over the vocabulary, or [N] over a subset
-    draft's rows when draft_ids [N] gives each row's token id. target_probs [len(drafted)+1, V]
+    draft's rows when draft_ids [N] gives each row's token id, or None when it was proposed with
+    probability 1 (prompt lookup). target_probs [len(drafted)+1, V]
     is the target's warped distribution at each drafted position plus one more for the bonus token.
     """
     rng_device = generator.device if generator is not None else target_probs.device
     emitted: list[int] = []
     for i, token in enumerate(drafted):
-        draft_prob = draft_probs[i][token] if draft_ids is None else draft_probs[i][draft_ids == token].sum()
+        proposal = draft_probs[i]
+        if proposal is None:
+            draft_prob = 1.0
+        else:
+            draft_prob = proposal[token] if draft_ids is None else proposal[draft_ids == token].sum()
         # Accept with probability min(1, target/draft). draft_prob > 0: the token was sampled from it.
         accept_prob = min(1.0, float(target_probs[i, token] / draft_prob))
         if float(torch.rand((), generator=generator, device=rng_device)) < accept_prob:
@@ -97,9 +103,13 @@ def verify_block(drafted: list[int], draft_probs: list[torch.Tensor], target_pro
             continue
         # Rejected: resample from the part of the target the draft under-covers.
         # residual.sum() == 0 only when target_probs == draft_probs, where rejection cannot happen.
-        draft_full = draft_probs[i] if draft_ids is None else (
-            target_probs.new_zeros(target_probs.shape[-1]).index_copy_(0, draft_ids, draft_probs[i]))
-        residual = torch.clamp(target_probs[i] - draft_full, min=0.0)
+        if proposal is None:  # max(0, target - one-hot(token)): the target without `token`
+            residual = target_probs[i].clone()
+            residual[token] = 0.0
+        else:
+            draft_full = proposal if draft_ids is None else (
+                target_probs.new_zeros(target_probs.shape[-1]).index_copy_(0, draft_ids, proposal))
+            residual = torch.clamp(target_probs[i] - draft_full, min=0.0)
         emitted.append(int(sample(residual / residual.sum(), generator)))
         return emitted, i
     emitted.append(int(sample(target_probs[len(drafted)], generator)))  # all accepted: bonus token
@@ -151,13 +161,19 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, *, k: int, max_
                          temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                          eos_token_id=None, generator: torch.Generator | None = None,
                          backend: str = "auto", target_runner: ModelRunner | None = None,
-                         draft_runner: ModelRunner | None = None) -> SpeculativeOutput:
+                         draft_runner: ModelRunner | None = None, lookup_ngram: int = 0) -> SpeculativeOutput:
     """Lossless speculative decoding: output distributed exactly as `generate(target, ...)`.
 
     `target` and `draft` are Hugging Face causal LMs sharing a tokenizer; input_ids is [1, L].
+    lookup_ngram > 0 (at least 2) adds prompt lookup (`decode.lookup`): where the last n tokens
+    (n = lookup_ngram down to 2) occurred earlier in the prompt or output, the token that followed
+    them is proposed with probability 1 instead of running the draft. The proposal still depends
+    only on the text so far, so the acceptance rule keeps the output exactly the target's.
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
+    if lookup_ngram and lookup_ngram < MIN_NGRAM:
+        raise ValueError(f"lookup_ngram must be 0 (off) or >= {MIN_NGRAM}, got {lookup_ngram}")
     _check_inputs(input_ids, max_new_tokens, temperature, top_p)
     vocab = _shared_vocab(target, draft)
     target_runner = target_runner or make_runner(target, vocab, backend)
@@ -172,6 +188,9 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, *, k: int, max_
     committed = input_ids[0].tolist()
     prompt_len = len(committed)
     stats = SpeculativeStats(k=k)
+    index = NgramIndex(lookup_ngram) if lookup_ngram else None
+    if index is not None:
+        index.extend(committed)
     # Prefill both caches with all but the last prompt token.
     if prompt_len > 1:
         _feed(target_runner, committed[:-1], [], 1)
@@ -182,9 +201,19 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, *, k: int, max_
         k_block = min(k, remaining - 1)  # a block emits up to k_block + 1 tokens
 
         drafted: list[int] = []
-        draft_probs = []  # each [N] over the draft's output rows: what drafted[i] was sampled from
+        draft_probs = []  # sampling: each [N] over the draft's rows (None: looked up), what drafted[i] came from
+        from_lookup: list[bool] = []
         for _ in range(k_block):
-            logits = _feed(draft_runner, committed, drafted[-1:], 1, full_vocab=False)[0]  # [N]
+            if index is not None:
+                looked_up = index.propose((committed[-lookup_ngram:] + drafted)[-lookup_ngram:])
+                if looked_up is not None:  # no draft forward; the draft catches up on its next one
+                    drafted.append(looked_up)
+                    if not greedy:
+                        draft_probs.append(None)
+                    from_lookup.append(True)
+                    continue
+            # Feed the draft every token it has not seen: the last committed one, drafted ones.
+            logits = _feed(draft_runner, committed + drafted, [], 1, full_vocab=False)[0]  # [N]
             if greedy:
                 row = int(logits.argmax())
             else:
@@ -192,6 +221,7 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, *, k: int, max_
                 row = int(sample(probs, generator))
                 draft_probs.append(probs)
             drafted.append(row if draft_ids is None else int(draft_ids[row]))
+            from_lookup.append(False)
 
         # One target forward over [unseen committed..., d_1..d_k]; keep the last k_block + 1 rows.
         target_logits = _feed(target_runner, committed, drafted, k_block + 1)  # [k_block+1, V]
@@ -204,9 +234,13 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, *, k: int, max_
 
         emitted, hit_eos = _cut_at_eos(emitted, eos_token_id)
         committed.extend(emitted)
+        if index is not None:
+            index.extend(emitted)
         # An EOS inside the block ends it: positions after the EOS were never really tested.
-        stats.record_block(proposed=len(drafted), tried=min(tried, len(emitted)), accepted=min(accepted, len(emitted)),
-                           emitted=len(emitted))
+        accepted = min(accepted, len(emitted))
+        stats.record_block(proposed=len(drafted), tried=min(tried, len(emitted)), accepted=accepted,
+                           emitted=len(emitted), looked_up=sum(from_lookup),
+                           looked_up_accepted=sum(from_lookup[:accepted]))
 
         # Roll both caches back to "everything committed but the last token".
         target_runner.rollback(min(target_runner.length, len(committed) - 1))

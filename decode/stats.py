@@ -19,6 +19,10 @@ class SpeculativeStats:
     """Tokens returned to the caller (accepted + one residual or bonus per block, cut at EOS/max)."""
     target_forwards: int = 0
     """Target forward passes after the prompt prefill (one per block)."""
+    looked_up: int = 0
+    """Proposed tokens that came from prompt lookup instead of a draft forward."""
+    looked_up_accepted: int = 0
+    """Of the accepted tokens, those that came from prompt lookup."""
     position_tried: list[int] = field(default_factory=list)
     """position_tried[i]: blocks whose draft token at position i reached the accept test."""
     position_accepted: list[int] = field(default_factory=list)
@@ -31,9 +35,13 @@ class SpeculativeStats:
             self.position_accepted = [0] * self.k
             self.accept_length_hist = [0] * (self.k + 1)
 
-    def record_block(self, proposed: int, tried: int, accepted: int, emitted: int) -> None:
-        """One verify pass: `proposed` drafted, `tried` positions tested, the first `accepted` kept."""
+    def record_block(self, proposed: int, tried: int, accepted: int, emitted: int, looked_up: int = 0,
+                     looked_up_accepted: int = 0) -> None:
+        """One verify pass: `proposed` drafted (`looked_up` of them by prompt lookup), `tried`
+        positions tested, the first `accepted` kept (`looked_up_accepted` of them looked up)."""
         self.proposed += proposed
+        self.looked_up += looked_up
+        self.looked_up_accepted += looked_up_accepted
         self.tried += tried
         self.accepted += accepted
         self.emitted += emitted
@@ -60,6 +68,11 @@ class SpeculativeStats:
         return self.emitted / self.target_forwards if self.target_forwards else 0.0
 
     @property
+    def draft_steps_per_forward(self) -> float:
+        """Draft forwards per target forward: k without prompt lookup (fewer in the last block)."""
+        return (self.proposed - self.looked_up) / self.target_forwards if self.target_forwards else 0.0
+
+    @property
     def per_position_acceptance(self) -> list[float]:
         """P(accept at position i | reached position i)."""
         return [a / t if t else 0.0 for a, t in zip(self.position_accepted, self.position_tried)]
@@ -69,13 +82,16 @@ class SpeculativeStats:
         return SpeculativeStats(
             k=self.k, proposed=self.proposed + other.proposed, tried=self.tried + other.tried, accepted=self.accepted + other.accepted,
             emitted=self.emitted + other.emitted, target_forwards=self.target_forwards + other.target_forwards,
+            looked_up=self.looked_up + other.looked_up,
+            looked_up_accepted=self.looked_up_accepted + other.looked_up_accepted,
             position_tried=[a + b for a, b in zip(self.position_tried, other.position_tried)],
             position_accepted=[a + b for a, b in zip(self.position_accepted, other.position_accepted)],
             accept_length_hist=[a + b for a, b in zip(self.accept_length_hist, other.accept_length_hist)])
 
     def to_dict(self) -> dict:
         return {"k": self.k, "proposed": self.proposed, "tried": self.tried, "accepted": self.accepted,
-                "emitted": self.emitted, "target_forwards": self.target_forwards, "alpha": self.alpha,
+                "emitted": self.emitted, "target_forwards": self.target_forwards, "looked_up": self.looked_up,
+                "looked_up_accepted": self.looked_up_accepted, "alpha": self.alpha,
                 "token_acceptance": self.token_acceptance, "tau": self.tau,
                 "per_position_acceptance": self.per_position_acceptance,
                 "accept_length_hist": self.accept_length_hist}
@@ -88,7 +104,8 @@ def expected_tau(alpha: float, k: int) -> float:
     return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
-def predicted_speedup(tau: float, k: int, c: float, r: float) -> float:
-    """Speedup over target-only decoding: tau / (k*c + r(k)), with c = draft/target step latency
-    and r(k) = cost of one target forward over k+1 tokens / one decode step."""
-    return tau / (k * c + r)
+def predicted_speedup(tau: float, draft_steps: float, c: float, r: float) -> float:
+    """Speedup over target-only decoding: tau / (s*c + r(k)), with s = draft forwards per target
+    forward (k without prompt lookup), c = draft/target step latency and r(k) = cost of one target
+    forward over k+1 tokens / one decode step."""
+    return tau / (draft_steps * c + r)

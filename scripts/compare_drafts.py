@@ -38,7 +38,8 @@ def rows_of(label: str, report: dict) -> list[list[str]]:
     vocab = f"{draft['vocab_subset']}" if draft.get("vocab_subset") else "full"
     groups: dict[tuple[str, float], list[dict]] = {}
     for result in report["results"]:
-        groups.setdefault((result["prompt_set"], result["temperature"]), []).append(result)
+        if result.get("proposer", "draft") == "draft":  # drafts are compared alone, without prompt lookup
+            groups.setdefault((result["prompt_set"], result["temperature"]), []).append(result)
     rows = []
     for (prompt_set, temperature), results in groups.items():
         by_k = {r["k"]: r for r in results}

@@ -19,13 +19,16 @@ def make(target: str, *args: str) -> subprocess.CompletedProcess:
     return result
 
 
-def check_report(eval_dir, ks, temperatures):
+def check_report(eval_dir, ks, temperatures, proposers=("draft",)):
     report = json.loads((eval_dir / "report.json").read_text())
     rows = report["results"]
-    assert {(r["k"], r["temperature"]) for r in rows} == {(k, t) for k in ks for t in temperatures}
+    assert ({(r["k"], r["temperature"], r["proposer"]) for r in rows}
+            == {(k, t, p) for k in ks for t in temperatures for p in proposers})
     for row in rows:
         assert row["speedup"] > 0 and 0 <= row["alpha"] <= 1 and 1 <= row["tau"] <= row["k"] + 1
         assert row["predicted_speedup"] > 0
+        if row["proposer"] == "draft":
+            assert row["looked_up"] == 0 and row["draft_steps_per_forward"] <= row["k"]
         if row["temperature"] == 0:
             assert row["greedy_identical"] is True
     assert all(run["greedy_identical"] for run in report["runs"] if run["temperature"] == 0)
@@ -42,9 +45,16 @@ def check_report(eval_dir, ks, temperatures):
 
 
 def test_eval_speedup_with_an_untrained_draft(tmp_path):
-    result = make("eval-speedup", "draft=tiny:draft", "eval.prompts=[gsm8k]", f"eval.out_dir={tmp_path}")
+    result = make("eval-speedup", "draft=tiny:draft", "eval.prompts=[gsm8k]", f"eval.out_dir={tmp_path}",
+                  "eval.lookup_ngram=3")
     assert "full report:" in result.stdout
-    report = check_report(tmp_path, ks=[2, 4], temperatures=[0.0, 0.7])
+    report = check_report(tmp_path, ks=[2, 4], temperatures=[0.0, 0.7], proposers=("draft", "draft+lookup"))
+    lookup_rows = [r for r in report["results"] if r["proposer"] == "draft+lookup"]
+    # GSM8K questions repeat phrases, so prompt lookup proposes some tokens in place of draft forwards.
+    assert sum(r["looked_up"] for r in lookup_rows) > 0
+    assert any(r["draft_steps_per_forward"] < r["k"] for r in lookup_rows)
+    samples = {json.loads(line)["method"] for line in (tmp_path / "samples.jsonl").read_text().splitlines()}
+    assert "speculative k=4 + lookup" in samples
     # The draft comparison script lines reports up: one row per (prompt set, T), best k by speedup.
     table = tmp_path / "comparison.md"
     subprocess.run([sys.executable, str(ROOT / "scripts/compare_drafts.py"), f"untrained={tmp_path}",
@@ -53,7 +63,8 @@ def test_eval_speedup_with_an_untrained_draft(tmp_path):
     assert len(rows) == 2
     for row in rows:
         temperature = float(row[4])
-        best = max((r for r in report["results"] if r["temperature"] == temperature), key=lambda r: r["speedup"])
+        best = max((r for r in report["results"] if r["temperature"] == temperature and r["proposer"] == "draft"),
+                   key=lambda r: r["speedup"])
         assert row[8] == str(best["k"]) and row[10].rstrip(" |") == f"{best['speedup']:.2f}×"
 
 

@@ -67,6 +67,19 @@ def test_residual_distribution():
     assert chi2_pvalue(counts, residual / residual.sum()) > P_MIN
 
 
+def test_lookup_proposal_gives_the_target_distribution():
+    """A token proposed with probability 1 (prompt lookup, draft_probs None) is kept with the
+    target's probability of it, else the target without it is sampled: together, the target."""
+    gen = torch.Generator().manual_seed(8)
+    target = random_dist(gen)
+    counts = torch.zeros(V)
+    for _ in range(12000):
+        emitted, accepted = verify_block([3], [None], torch.stack([target, target]), gen)
+        counts[emitted[0]] += 1
+        assert (accepted == 1) == (emitted[0] == 3)  # a rejection never emits the looked-up token
+    assert chi2_pvalue(counts, target) > P_MIN
+
+
 def test_acceptance_rate_matches_sum_of_minimums():
     gen = torch.Generator().manual_seed(3)
     target, draft = random_dist(gen), random_dist(gen)

@@ -11,6 +11,8 @@ from decode.runner import ModelRunner, make_runner
 from tests.conftest import negated_copy, small_llama, subset_llama
 
 PROMPT = torch.tensor([[0, 3, 7, 2, 9]])
+# Repeated bigrams: prompt lookup has something to propose from the first step.
+REPETITIVE = torch.tensor([[0, 3, 7, 2, 9, 3, 7, 2, 9, 3]])
 
 
 def continuations(fn, n, seed):
@@ -47,6 +49,32 @@ def test_sequence_distribution_matches_target(pair, warp, draft_kind):
     assert p > 1e-4, p
 
 
+@pytest.mark.parametrize("draft_kind", ["full", "subset"])
+def test_sequence_distribution_with_lookup_matches_target(pair, draft_kind):
+    """Prompt lookup mixes probability-1 proposals with the draft's: still the target's distribution."""
+    target, draft = pair
+    if draft_kind == "subset":
+        draft = subset_llama(SUBSET_IDS, 16)
+    t_runner, d_runner = make_runner(target, 16), make_runner(draft, 16)
+    n, looked_up = 1000, []
+
+    def spec(g):
+        out = speculative_generate(target, draft, REPETITIVE, k=3, max_new_tokens=3, temperature=1.0, generator=g,
+                                   target_runner=t_runner, draft_runner=d_runner, lookup_ngram=3)
+        looked_up.append(out.stats.looked_up)
+        return out.tokens
+
+    spec_counts = continuations(spec, n, seed=1)
+    base = continuations(lambda g: generate(target, REPETITIVE, max_new_tokens=3, temperature=1.0, generator=g,
+                                            target_runner=t_runner), n, seed=2)
+    assert sum(looked_up) > n  # most blocks start with a looked-up token
+    cells = sorted(set(spec_counts) | set(base))
+    frequent = [c for c in cells if spec_counts[c] + base[c] >= 10]
+    rare = [c for c in cells if c not in frequent]
+    rows = [[counts[c] for c in frequent] + [sum(counts[c] for c in rare)] for counts in (spec_counts, base)]
+    assert scipy_stats.chi2_contingency(rows).pvalue > 1e-4
+
+
 def test_chi2_detects_a_different_distribution(pair):
     """The sequence test has power: target vs draft sampling is told apart."""
     target, draft = pair
@@ -75,6 +103,20 @@ def test_greedy_equals_target_only(pair, k, draft_kind, backend):
         assert out.stats.alpha == 1.0
     if draft_kind == "always_wrong":
         assert out.stats.accepted == 0
+
+
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("draft_kind", ["same", "always_wrong"])
+def test_greedy_with_lookup_equals_target_only(pair, k, draft_kind):
+    target, _ = pair
+    draft = {"same": target, "always_wrong": negated_copy(target)}[draft_kind]
+    expected = generate(target, REPETITIVE, max_new_tokens=24)
+    out = speculative_generate(target, draft, REPETITIVE, k=k, max_new_tokens=24, lookup_ngram=2,
+                               backend="hf" if draft_kind == "always_wrong" else "auto")
+    assert out.tokens.tolist() == expected.tolist()
+    assert out.stats.looked_up > 0
+    if draft_kind == "always_wrong":  # every accepted token came from lookup
+        assert out.stats.accepted == out.stats.looked_up_accepted
 
 
 def test_full_acceptance_emits_k_plus_one_and_rejection_emits_one(pair):
@@ -200,3 +242,9 @@ def test_bad_inputs_are_refused(pair):
         speculative_generate(target, draft, PROMPT, k=2, max_new_tokens=3, temperature=-1.0)
     with pytest.raises(ValueError, match="top_p"):
         speculative_generate(target, draft, PROMPT, k=2, max_new_tokens=3, top_p=0.0)
+
+
+def test_lookup_ngram_below_two_is_refused(pair):
+    target, draft = pair
+    with pytest.raises(ValueError, match="lookup_ngram"):
+        speculative_generate(target, draft, PROMPT, k=2, max_new_tokens=3, lookup_ngram=1)
