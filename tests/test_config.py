@@ -55,6 +55,7 @@ def test_wrong_types(override, message):
 @pytest.mark.parametrize("override, message", [
     ("eval.ks=[0, 2]", "k must be >= 1"),
     ("eval.ks=[-1]", "k must be >= 1"),
+    ("eval.lookup_ngram=1", "lookup_ngram"),
     ("eval.temperatures=[-0.5]", "temperature must be >= 0"),
     ("generate.temperature=-1", "temperature must be >= 0"),
     ("eval.top_p=0", r"outside \(0, 1\]"),
