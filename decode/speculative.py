@@ -11,6 +11,10 @@ With temperature 0 both distributions are one-hot, so this reduces to "accept wh
 draft's argmax equals the target's" — exact greedy, which `verify_greedy` computes directly
 from the logits (no vocabulary-wide one-hot or sampling per token).
 
+With prompt lookup (`lookup_ngram`), step 1 proposes at some positions a token copied from earlier
+text with probability 1 instead of sampling the draft: draft_probs_i is then one-hot, so the test
+accepts it with probability target_probs_i[d_i] and a rejection samples the target without d_i.
+
 A vocabulary-subset draft is warped and sampled over its N rows: warping the full vocabulary
 with -inf outside the subset gives the same distribution with zeros outside it, and only the
 rejection step needs it spread over the full vocabulary.
@@ -212,7 +216,8 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, *, k: int, max_
                         draft_probs.append(None)
                     from_lookup.append(True)
                     continue
-            # Feed the draft every token it has not seen: the last committed one, drafted ones.
+            # Feed the draft every token it has not seen: committed ones (more than one after
+            # blocks proposed by lookup alone) and drafted ones.
             logits = _feed(draft_runner, committed + drafted, [], 1, full_vocab=False)[0]  # [N]
             if greedy:
                 row = int(logits.argmax())

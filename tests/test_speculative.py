@@ -119,6 +119,19 @@ def test_greedy_with_lookup_equals_target_only(pair, k, draft_kind):
         assert out.stats.accepted == out.stats.looked_up_accepted
 
 
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("backend", ["hf", "auto"])
+def test_draft_catches_up_after_lookup(pair, k, backend):
+    """Looked-up tokens skip the draft; its next forward must feed every token it missed. With the
+    target as its own draft (greedy), a proposal from a correct draft cache is never rejected:
+    every rejection is of a looked-up token."""
+    target, _ = pair
+    out = speculative_generate(target, target, REPETITIVE, k=k, max_new_tokens=40, lookup_ngram=2, backend=backend)
+    stats = out.stats
+    assert 0 < stats.looked_up < stats.proposed and stats.looked_up_accepted < stats.looked_up
+    assert stats.tried - stats.accepted <= stats.looked_up - stats.looked_up_accepted
+
+
 def test_full_acceptance_emits_k_plus_one_and_rejection_emits_one(pair):
     target, _ = pair
     k = 3
