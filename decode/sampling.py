@@ -38,9 +38,22 @@ def warp_probs(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0,
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Draw one token id per row of probs [..., V] -> [...] (long)."""
+    """Draw one token id per row of probs [..., V] -> [...] (long), by inverse CDF: the first
+    token whose cumulative probability exceeds u * total, u ~ U[0, 1).
+
+    Why not torch.multinomial: on CPU it took 1.05 ms for one draw over 49,152 tokens (0.20 ms over
+    8,192), 5% of a SmolLM2-135M decode step; the float64 cumsum + searchsorted here takes 0.05 ms.
+    A zero-probability token adds nothing to the cumulative sum, so it can never be the first to exceed u.
+    """
     if generator is not None and generator.device != probs.device:
         probs = probs.to(generator.device)
     flat = probs.reshape(-1, probs.shape[-1])
-    ids = torch.multinomial(flat, 1, generator=generator).squeeze(-1)
+    cdf = flat.double().cumsum(-1)  # [R, V]; float64 so the running sum does not drift
+    u = torch.rand(flat.shape[0], 1, generator=generator, device=flat.device, dtype=torch.float64)
+    ids = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
+    # u * total can round up to total itself (u just below 1): take the last token with mass then.
+    overflow = ids == flat.shape[-1]
+    if bool(overflow.any()):
+        last_positive = flat.shape[-1] - 1 - (flat.flip(-1) > 0).int().argmax(-1)
+        ids = torch.where(overflow, last_positive, ids)
     return ids.reshape(probs.shape[:-1])

@@ -157,3 +157,24 @@ def test_verify_greedy_equals_the_one_hot_rule():
         drafted = [int(best[i]) if i < agree else int(torch.randint(0, V, (), generator=gen)) for i in range(k)]
         expected = verify_block(drafted, [eye[t] for t in drafted], eye[best])
         assert verify_greedy(drafted, target_logits) == expected
+
+
+def test_sample_draws_each_row_from_its_distribution():
+    """The sampler itself: χ² per row, zero-probability tokens first, inside and last never drawn."""
+    gen = torch.Generator().manual_seed(11)
+    rows = torch.stack([random_dist(gen, zero=(0, 3)), random_dist(gen, zero=(V - 1,))])  # [2, V]
+    counts = torch.zeros(2, V)
+    for _ in range(6000):
+        ids = sample(rows, gen)
+        assert ids.shape == (2,)
+        counts[0, ids[0]] += 1
+        counts[1, ids[1]] += 1
+    for row in range(2):
+        assert chi2_pvalue(counts[row], rows[row]) > P_MIN
+
+
+def test_sample_never_returns_past_the_last_token_with_mass(monkeypatch):
+    """u * total rounding up to the total falls back to the last token with probability > 0."""
+    probs = torch.tensor([0.2, 0.5, 0.3, 0.0, 0.0])
+    monkeypatch.setattr(torch, "rand", lambda *shape, **kw: torch.ones(*shape, dtype=kw.get("dtype")))
+    assert int(sample(probs)) == 2
