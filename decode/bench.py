@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
     write_outputs(report, samples, out_dir)
     if tracker is not None:
         for row in results:
-            tracker.log({f"{row['prompt_set']}/T{row['temperature']}/k{row['k']}/{m}": row[m]
+            tracker.log({f"{row['prompt_set']}/T{row['temperature']}/{row['proposer']}/k{row['k']}/{m}": row[m]
                          for m in ("alpha", "tau", "speedup", "predicted_speedup") if row[m] is not None})
         tracker.summary.update({"verdict": report["verdict"], "c": cost["c"]})
         tracker.finish()
