@@ -157,7 +157,8 @@ class EvalConfig:
     r_max_k: int = 8
     """Measure the verification cost r(k) for k = 1..r_max_k."""
     backend: str = "auto"
-    """'auto' uses the lean Llama runner when it applies; 'hf' forces HF forwards with DynamicCache."""
+    """'auto': the lean Llama runner where it applies ('graph', its CUDA-graph replay, on CUDA);
+    'lean' or 'graph' require it; 'hf' forces HF forwards with a DynamicCache."""
     dtype: str = "auto"
     """'auto' (bf16 on GPU, fp32 on CPU), 'fp32' or 'bf16'."""
     hf_ks: list[int] = field(default_factory=lambda: [4])
@@ -220,6 +221,8 @@ class Config:
             problems.append(f"eval.lookup_ngram: {self.eval.lookup_ngram}; use 0 (off) or an n-gram size >= 2")
         if self.eval.dtype not in ("auto", "fp32", "bf16"):
             problems.append(f"eval.dtype: {self.eval.dtype!r} is not 'auto', 'fp32' or 'bf16'")
+        if self.eval.backend not in ("auto", "lean", "graph", "hf"):
+            problems.append(f"eval.backend: {self.eval.backend!r} is not 'auto', 'lean', 'graph' or 'hf'")
         if self.eval.max_new_tokens <= 0:
             problems.append("eval.max_new_tokens must be >= 1")
         if problems:

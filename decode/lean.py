@@ -167,8 +167,10 @@ class LeanLlamaRunner:
             raise ValueError(f"{needed} positions exceed the model's context of {self.max_length}")
         capacity = min(self.max_length, max(2 * self.capacity, -(-needed // CACHE_CHUNK) * CACHE_CHUNK))
         shape = (len(self.layers), self.n_kv, capacity, self.head_dim)
-        k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
-        v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        # Zero-filled, not empty: a CUDA graph replay (decode.graphs) attends over the whole capacity
+        # with a mask, and a masked key's value still enters the sum as 0 x value (NaN if garbage).
+        k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         if self.capacity:
             k_cache[:, :, : self.length] = self.k_cache[:, :, : self.length]
             v_cache[:, :, : self.length] = self.v_cache[:, :, : self.length]
@@ -186,49 +188,66 @@ class LeanLlamaRunner:
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return weight * normed.to(x.dtype)
 
+    def _model_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids -> rows of this model's embedding, on its device."""
+        ids = ids.to(self.device)
+        return self.input_map[ids] if self.input_map is not None else ids
+
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, num_logits: int = 1, full_vocab: bool = True) -> torch.Tensor:
         """Feed ids [n] at positions length..length+n-1; return fp32 logits [num_logits, vocab_size]
         (full_vocab=False: [num_logits, N] over a subset draft's rows)."""
-        ids = ids.to(self.device)
-        if self.input_map is not None:
-            ids = self.input_map[ids]
+        ids = self._model_ids(ids)
         m, start = ids.shape[0], self.length
         assert 1 <= num_logits <= m, (num_logits, m)
         end = start + m
         self._reserve(end)
-        H, KV, D = self.n_heads, self.n_kv, self.head_dim
-        group = H // KV
-        cos, sin = self.cos[start:end, None], self.sin_signed[start:end, None]  # [M, 1, D]
-        # The H query heads are laid out as KV groups x (group heads x M rows), [1, KV, group M, D],
-        # so each group attends its one KV head. Query row (g, i) at position start + i sees keys
-        # 0..start + i (True = attend).
+        # Query row i at position start + i sees keys 0..start + i (True = attend); the rows are
+        # repeated per query head of a KV group (see _hidden).
         mask = None
         if m > 1:
-            mask = torch.ones(m, end, dtype=torch.bool, device=self.device).tril(start).repeat(group, 1)
+            mask = torch.ones(m, end, dtype=torch.bool, device=self.device).tril(start)
+            mask = mask.repeat(self.n_heads // self.n_kv, 1)
+        x = self._hidden(ids, slice(start, end), end, mask)
+        self.length = end
+        return self._to_vocab(self._head(x[-num_logits:]), full_vocab)
 
+    def _hidden(self, ids: torch.Tensor, positions, n_keys: int, mask: torch.Tensor | None) -> torch.Tensor:
+        """The decoder layers over ids [M] (embedding rows) at `positions` (a slice or a LongTensor [M]):
+        writes their keys and values into the cache and attends over its first n_keys positions
+        (mask [group M, n_keys], True = attend; None = all). Returns the residual stream [M, hidden]."""
+        m = ids.shape[0]
+        H, KV, D = self.n_heads, self.n_kv, self.head_dim
+        group = H // KV
+        cos, sin = self.cos[positions, None], self.sin_signed[positions, None]  # [M, 1, D]
+        # The H query heads are laid out as KV groups x (group heads x M rows), [1, KV, group M, D],
+        # so each group attends its one KV head.
         x = self.embed[ids]  # [M, hidden]
         for i, (w_in, w_qkv, w_o, w_post, w_gu, w_down) in enumerate(self.layers):
             qkv = w_qkv(self._rms_norm(x, w_in)).view(m, H + 2 * KV, D)
             qk = qkv[:, : H + KV]  # q and k heads get the same rotation: [M, H + KV, D]
             qk = qk * cos + qk.roll(D // 2, dims=-1) * sin
             k_cache, v_cache = self.k_cache[i], self.v_cache[i]  # [KV, capacity, D]
-            k_cache[:, start:end] = qk[:, H:].transpose(0, 1)
-            v_cache[:, start:end] = qkv[:, H + KV :].transpose(0, 1)
+            k_cache[:, positions] = qk[:, H:].transpose(0, 1)
+            v_cache[:, positions] = qkv[:, H + KV :].transpose(0, 1)
             q = qk[:, :H].reshape(m, KV, group, D).permute(1, 2, 0, 3).reshape(1, KV, group * m, D)
             # SDPA's fused CPU kernel: as fast as bmm-softmax-bmm for M = 1, ~1.7x faster for M = 5.
-            attn = F.scaled_dot_product_attention(q, k_cache[None, :, :end], v_cache[None, :, :end],
+            attn = F.scaled_dot_product_attention(q, k_cache[None, :, :n_keys], v_cache[None, :, :n_keys],
                                                   attn_mask=mask)  # [1, KV, group M, D]
             attn = attn.view(KV, group, m, D).permute(2, 0, 1, 3).reshape(m, H * D)
             x = x + w_o(attn)
             gate_up = w_gu(self._rms_norm(x, w_post))  # [M, 2 I]
             inter = gate_up.shape[1] // 2
             x = x + w_down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
+        return x
 
-        self.length = end
-        h = self._rms_norm(x[-num_logits:], self.norm)  # [num_logits, hidden]
-        logits = self.lm_head(h).float()  # [num_logits, n_out]
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """Residual stream [M, hidden] -> fp32 logits [M, n_out] over the output rows."""
+        return self.lm_head(self._rms_norm(x, self.norm)).float()
+
+    def _to_vocab(self, logits: torch.Tensor, full_vocab: bool) -> torch.Tensor:
+        """A subset draft's logits [M, N] spread over the full vocabulary (-inf elsewhere) if full_vocab."""
         if self.subset_ids is None or not full_vocab:
             return logits
-        full = logits.new_full((num_logits, self.vocab_size), float("-inf"))
-        return full.scatter_(1, self.scatter_index.expand(num_logits, -1), logits)
+        full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+        return full.scatter_(1, self.scatter_index.expand(logits.shape[0], -1), logits)

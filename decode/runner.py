@@ -89,14 +89,21 @@ def model_vocab_size(model: torch.nn.Module) -> int:
 
 
 def make_runner(model: torch.nn.Module, vocab_size: int, backend: str = "auto") -> ModelRunner:
-    """Pick the runner for a model. 'hf' always uses the Hugging Face forward."""
-    if backend in ("auto", "lean"):
-        from decode.lean import LeanLlamaRunner, lean_supported
+    """Pick the runner for a model: 'lean' (the lean Llama forward), 'graph' (the lean forward replayed
+    from CUDA graphs; CUDA only), 'hf' (the Hugging Face forward), or 'auto': 'graph' on CUDA and
+    'lean' elsewhere where the lean runner supports the model, else 'hf'."""
+    if backend not in ("auto", "lean", "graph", "hf"):
+        raise ValueError(f"unknown backend {backend!r}; use 'auto', 'lean', 'graph' or 'hf'")
+    if backend == "hf":
+        return ModelRunner(model, vocab_size)
+    from decode.graphs import GraphLeanRunner
+    from decode.lean import LeanLlamaRunner, lean_supported
 
-        if lean_supported(model):
-            return LeanLlamaRunner(model, vocab_size)
-        if backend == "lean":
-            raise ValueError(f"the lean runner does not support {type(model).__name__}")
-    elif backend != "hf":
-        raise ValueError(f"unknown backend {backend!r}; use 'auto', 'lean' or 'hf'")
-    return ModelRunner(model, vocab_size)
+    if not lean_supported(model):
+        if backend != "auto":
+            raise ValueError(f"the {backend} runner does not support {type(model).__name__}")
+        return ModelRunner(model, vocab_size)
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    if backend == "graph" or (backend == "auto" and on_cuda):
+        return GraphLeanRunner(model, vocab_size)
+    return LeanLlamaRunner(model, vocab_size)

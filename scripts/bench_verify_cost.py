@@ -1,4 +1,6 @@
-"""Per-step latency and verification cost r(k) of the HF and lean runners on the embedded target.
+"""Per-step latency and verification cost r(k) of the runners on the embedded target.
+
+Runners: hf, lean, and on CUDA graph (the lean forward replayed from CUDA graphs).
 
 r(k) = time(one forward of k + 1 tokens) / time(one forward of 1 token), both after a cached
 prefix of --prefix tokens: what verifying k drafted tokens costs in target steps. Also the
@@ -9,6 +11,7 @@ medians over repeats after --warmup discarded ones, with the 25-75% range. On a 
 `--clock cpu` (this process's CPU time; meaningful with --threads 1) is far less noisy than wall.
 
     python scripts/bench_verify_cost.py --repeats 15
+    python scripts/bench_verify_cost.py --device cuda --dtype bf16
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from decode.graphs import GraphLeanRunner
 from decode.lean import LeanLlamaRunner
 from decode.models import EMBEDDED, load_model
 from decode.runner import ModelRunner
+from decode.timing import synchronize
 
 VOCAB = 49152  # the embedded target's vocabulary
 
@@ -41,6 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--draft-subset", type=int, default=8192, help="draft vocabulary subset size (+1 'other' row)")
     p.add_argument("--draft-steps", type=int, default=200, help="timed draft steps per runner")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (adds the CUDA-graph runner)")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     return p.parse_args(argv)
 
 
@@ -55,9 +62,17 @@ def build_draft(hidden: int, layers: int, subset: int, seed: int) -> LlamaForCau
     return LlamaForCausalLM(config).eval()
 
 
+def make_runners(model: LlamaForCausalLM) -> dict:
+    runners = {"hf": ModelRunner(model, VOCAB), "lean": LeanLlamaRunner(model, VOCAB)}
+    if next(model.parameters()).device.type == "cuda":
+        runners["graph"] = GraphLeanRunner(model, VOCAB)
+    return runners
+
+
 def time_forwards(runners: dict, prefix: torch.Tensor, lengths: list[int], repeats: int, warmup: int,
                   clock) -> dict:
-    """{(runner name, n): [seconds]} for forward(n tokens, n logits) after the cached prefix."""
+    """{(runner name, n): [seconds]} for forward(n tokens, n logits) after the cached prefix
+    (the device synchronised before reading the clock)."""
     for runner in runners.values():
         runner.reset()
         runner.forward(prefix, 1)
@@ -67,8 +82,10 @@ def time_forwards(runners: dict, prefix: torch.Tensor, lengths: list[int], repea
         for n in lengths:
             ids = torch.randint(0, VOCAB, (n,), generator=gen)
             for name, runner in runners.items():
+                synchronize(runner.device)
                 start = clock()
                 runner.forward(ids, n)
+                synchronize(runner.device)
                 elapsed = clock() - start
                 runner.rollback(prefix.shape[0])
                 if rep >= warmup:
@@ -90,8 +107,10 @@ def main(argv=None) -> None:
     print(f"torch threads: {torch.get_num_threads()}, clock: {args.clock}, prefix: {args.prefix}, "
           f"repeats: {args.repeats} (+{args.warmup} warm-up)")
 
-    target = load_model(EMBEDDED)
-    runners = {"hf": ModelRunner(target, VOCAB), "lean": LeanLlamaRunner(target, VOCAB)}
+    device = torch.device(args.device)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    target = load_model(EMBEDDED, device, dtype)
+    runners = make_runners(target)
     prefix = torch.randint(0, VOCAB, (args.prefix,), generator=torch.Generator().manual_seed(args.seed))
     lengths = list(range(1, args.max_k + 2))
     times = time_forwards(runners, prefix, lengths, args.repeats, args.warmup, clock)
@@ -99,16 +118,17 @@ def main(argv=None) -> None:
     step = {name: summary(times[(name, 1)])[0] for name in runners}
     for name in runners:
         med, lo, hi = summary(times[(name, 1)])
-        print(f"target step ({name}): {med:.1f} ms (25-75%: {lo:.1f}-{hi:.1f})")
-    print(f"\n{'k':>2} {'hf ms':>8} {'lean ms':>8} {'r_hf':>6} {'r_lean':>7} {'lean/hf step':>13}")
+        print(f"target step ({name}): {med:.2f} ms (25-75%: {lo:.2f}-{hi:.2f})")
+    print("\n k " + "".join(f"{name + ' ms':>10}" for name in runners)
+          + "".join(f"{'r_' + name:>9}" for name in runners) + "   (ms: forward of k + 1 tokens)")
     for n in lengths:
-        hf, lean = summary(times[("hf", n)])[0], summary(times[("lean", n)])[0]
-        print(f"{n - 1:>2} {hf:>8.1f} {lean:>8.1f} {hf / step['hf']:>6.2f} {lean / step['lean']:>7.2f} "
-              f"{lean / step['hf']:>13.2f}")
+        ms = {name: summary(times[(name, n)])[0] for name in runners}
+        print(f"{n - 1:>2} " + "".join(f"{ms[name]:>10.2f}" for name in runners)
+              + "".join(f"{ms[name] / step[name]:>9.2f}" for name in runners))
 
-    draft = build_draft(args.draft_hidden, args.draft_layers, args.draft_subset, args.seed)
+    draft = build_draft(args.draft_hidden, args.draft_layers, args.draft_subset, args.seed).to(device, dtype)
     params = sum(p.numel() for p in draft.parameters())
-    draft_runners = {"hf": ModelRunner(draft, VOCAB), "lean": LeanLlamaRunner(draft, VOCAB)}
+    draft_runners = make_runners(draft)
     draft_times = time_forwards(draft_runners, prefix, [1], args.draft_steps, 20, clock)
     print(f"\ndraft: hidden {args.draft_hidden}, {args.draft_layers} layers, {args.draft_subset}+1 vocab, "
           f"{params / 1e6:.2f}M params")
@@ -116,7 +136,6 @@ def main(argv=None) -> None:
         med, lo, hi = summary(draft_times[(name, 1)])
         print(f"draft step ({name}): {med:.3f} ms (25-75%: {lo:.3f}-{hi:.3f}), "
               f"c = draft step / target step ({name}) = {med / step[name]:.3f}")
-
 
 if __name__ == "__main__":
     main()
