@@ -7,7 +7,8 @@ launches the whole forward at once.
 
 A graph has fixed shapes and addresses, so the captured forward differs from the eager one in
 three ways (same arithmetic otherwise):
-  * it reads its token ids and start position from a static device buffer [M + 1];
+  * it reads its token ids and start position from a static device buffer [M + 1], filled by one
+    host-to-device copy (a subset draft's id -> row map is applied inside the graph);
   * it writes keys and values at positions start..start+M-1 by index and attends over the cache's
     whole capacity, masking key j for query row i unless j <= start + i (the cache is zero-filled,
     so the masked keys stay finite);
@@ -45,7 +46,8 @@ class _StaticForward:
         positions = self.inputs[m] + torch.arange(m, device=r.device)  # [M]
         keys = torch.arange(r.capacity, device=r.device)  # [capacity]
         mask = (keys[None, :] <= positions[:, None]).repeat(r.n_heads // r.n_kv, 1)  # [group M, capacity]
-        return r._head(r._hidden(self.inputs[:m], positions, r.capacity, mask))
+        ids = self.inputs[:m] if r.input_map is None else r.input_map[self.inputs[:m]]  # embedding rows
+        return r._head(r._hidden(ids, positions, r.capacity, mask))
 
     def run(self) -> torch.Tensor:
         if not self.capture:  # no CUDA: the same static computation, run eagerly (tests, CPU)
@@ -98,8 +100,10 @@ class GraphLeanRunner(LeanLlamaRunner):
         static = self._forwards.get(m)
         if static is None:
             static = self._forwards[m] = _StaticForward(self, m, self.capture)
-        static.inputs[:m].copy_(self._model_ids(ids))
-        static.inputs[m].fill_(start)
+        host = torch.empty(m + 1, dtype=torch.long)  # token ids, then the start position: one copy
+        host[:m] = ids
+        host[m] = start
+        static.inputs.copy_(host)
         logits = static.run()[-num_logits:].clone()  # the next run overwrites its output
         self.length = start + m
         return self._to_vocab(logits, full_vocab)

@@ -51,10 +51,9 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     flat = probs.reshape(-1, probs.shape[-1])
     cdf = flat.double().cumsum(-1)  # [R, V]; float64 so the running sum does not drift
     u = torch.rand(flat.shape[0], 1, generator=generator, device=flat.device, dtype=torch.float64)
-    ids = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
-    # u * total can round up to total itself (u just below 1): take the last token with mass then.
-    overflow = ids == flat.shape[-1]
-    if bool(overflow.any()):
-        last_positive = flat.shape[-1] - 1 - (flat.flip(-1) > 0).int().argmax(-1)
-        ids = torch.where(overflow, last_positive, ids)
-    return ids.reshape(probs.shape[:-1])
+    total = cdf[:, -1:]
+    # u * total can round up to the total itself (u just below 1), past every token. Capping it at
+    # the largest double below the total picks the token where the cumulative sum reaches the
+    # total (one with mass) instead, with no host synchronisation.
+    threshold = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, threshold, right=True).squeeze(-1).reshape(probs.shape[:-1])
