@@ -92,41 +92,37 @@ def verify_block(drafted: list[int], draft_probs: list[torch.Tensor], target_pro
     probability 1 (prompt lookup). target_probs [len(drafted)+1, V]
     is the target's warped distribution at each drafted position plus one more for the bonus token.
 
-    The k tests run as one vectorised comparison with k uniforms drawn up front (each test still
-    uses its own independent uniform, so the rule is unchanged): one host synchronisation per block
-    instead of two or three per drafted token, which matters on a GPU.
+    The tests run one at a time and stop at the first rejection. A vectorised form (all uniforms
+    drawn up front, one host synchronisation per block) measured slower per call on this project's
+    2-core CPU (0.24-0.30 vs 0.18 ms) and on an H200 (0.43 vs 0.31-0.34 ms): stacking the proposals
+    and copying the token lists to the device cost more than the synchronisations it saves.
     """
-    n = len(drafted)
-    device = target_probs.device
-    if n:
-        tokens = torch.tensor(drafted, device=device)
-        target_p = target_probs[torch.arange(n, device=device), tokens]  # [n]
-        draft_p = torch.ones(n, dtype=target_probs.dtype, device=device)  # 1: proposed by lookup
-        sampled = [i for i, proposal in enumerate(draft_probs) if proposal is not None]
-        if sampled:
-            rows = torch.tensor(sampled, device=device)
-            # The column of each drafted token in its proposal: the token id, or its row in the subset.
-            cols = tokens[rows] if draft_ids is None else (draft_ids[None, :] == tokens[rows, None]).int().argmax(-1)
-            proposals = torch.stack([draft_probs[i] for i in sampled]).to(device)  # [s, V or N]
-            draft_p[rows] = proposals.gather(1, cols[:, None]).squeeze(1).to(draft_p.dtype)
-        # Accept d_i with probability min(1, target/draft): u < ratio (u < 1). draft_p > 0: d_i was drawn from it.
-        rng_device = generator.device if generator is not None else device
-        uniforms = torch.rand(n, generator=generator, device=rng_device).to(device)
-        accepted = (uniforms < target_p / draft_p).tolist()
-        if not all(accepted):
-            i = accepted.index(False)
-            # Rejected: resample from the part of the target the draft under-covers.
-            # residual.sum() == 0 only when target_probs == draft_probs, where rejection cannot happen.
-            proposal = draft_probs[i]
-            if proposal is None:  # max(0, target - one-hot(token)): the target without `token`
-                residual = target_probs[i].clone()
-                residual[drafted[i]] = 0.0
-            else:
-                draft_full = proposal if draft_ids is None else (
-                    target_probs.new_zeros(target_probs.shape[-1]).index_copy_(0, draft_ids, proposal))
-                residual = torch.clamp(target_probs[i] - draft_full, min=0.0)
-            return drafted[:i] + [int(sample(residual / residual.sum(), generator))], i
-    return drafted + [int(sample(target_probs[n], generator))], n  # all accepted: bonus token
+    rng_device = generator.device if generator is not None else target_probs.device
+    emitted: list[int] = []
+    for i, token in enumerate(drafted):
+        proposal = draft_probs[i]
+        if proposal is None:
+            draft_prob = 1.0
+        else:
+            draft_prob = proposal[token] if draft_ids is None else proposal[draft_ids == token].sum()
+        # Accept with probability min(1, target/draft). draft_prob > 0: the token was sampled from it.
+        accept_prob = min(1.0, float(target_probs[i, token] / draft_prob))
+        if float(torch.rand((), generator=generator, device=rng_device)) < accept_prob:
+            emitted.append(token)
+            continue
+        # Rejected: resample from the part of the target the draft under-covers.
+        # residual.sum() == 0 only when target_probs == draft_probs, where rejection cannot happen.
+        if proposal is None:  # max(0, target - one-hot(token)): the target without `token`
+            residual = target_probs[i].clone()
+            residual[token] = 0.0
+        else:
+            draft_full = proposal if draft_ids is None else (
+                target_probs.new_zeros(target_probs.shape[-1]).index_copy_(0, draft_ids, proposal))
+            residual = torch.clamp(target_probs[i] - draft_full, min=0.0)
+        emitted.append(int(sample(residual / residual.sum(), generator)))
+        return emitted, i
+    emitted.append(int(sample(target_probs[len(drafted)], generator)))  # all accepted: bonus token
+    return emitted, len(drafted)
 
 
 def verify_greedy(drafted: list[int], target_logits: torch.Tensor) -> tuple[list[int], int]:
