@@ -22,11 +22,15 @@ def make(target: str, *args: str) -> subprocess.CompletedProcess:
 def check_report(eval_dir, ks, temperatures, proposers=("draft",)):
     report = json.loads((eval_dir / "report.json").read_text())
     rows = report["results"]
+    markdown = (eval_dir / "report.md").read_text()
     assert ({(r["k"], r["temperature"], r["proposer"]) for r in rows}
             == {(k, t, p) for k in ks for t in temperatures for p in proposers})
     for row in rows:
         assert row["speedup"] > 0 and 0 <= row["alpha"] <= 1 and 1 <= row["tau"] <= row["k"] + 1
         assert row["predicted_speedup"] > 0
+        per_prompt = row["speedup_per_prompt"]
+        assert per_prompt["min"] <= per_prompt["median"] <= per_prompt["max"]
+        assert f"{per_prompt['median']:.2f}× ({per_prompt['min']:.2f}–{per_prompt['max']:.2f})" in markdown
         if row["proposer"] == "draft":
             assert row["looked_up"] == 0 and row["draft_steps_per_forward"] <= row["k"]
         if row["temperature"] == 0:
