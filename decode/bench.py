@@ -16,7 +16,6 @@ import itertools
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -28,6 +27,7 @@ from decode.config import Config, ConfigError, cli_config, config_to_dict
 from decode.hf_baselines import full_vocab_view, hf_generate
 from decode.models import check_tokenizers, load_model, load_tokenizer, param_count, resolve_device
 from decode.prompts import load_prompt_set, read_split_prompts
+from decode.provenance import git_revision
 from decode.report import write_markdown, write_plots
 from decode.runner import make_runner, model_vocab_size
 from decode.speculative import generate, speculative_generate
@@ -58,14 +58,6 @@ def eval_prompts(cfg: Config, tokenizer, context_length: int) -> dict[str, list]
             raise ConfigError(f"eval.prompts: no usable prompts in {source!r}")
         sets[name] = fits[: cfg.eval.num_prompts]
     return sets
-
-
-def git_sha() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True, cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def device_description(device: torch.device) -> str:
@@ -216,7 +208,8 @@ def main(argv: list[str] | None = None) -> dict:
     report = {
         "command": " ".join(["python -m decode.bench"] + (argv if argv is not None else sys.argv[1:])),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": device_description(device), "git_sha": git_sha(), "backend": type(target_runner).__name__,
+        "device": device_description(device), "git_sha": git_revision() or "unknown",
+        "backend": type(target_runner).__name__,
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": __import__("transformers").__version__},
         "config": config_to_dict(cfg), "max_new_tokens": ev.max_new_tokens,

@@ -16,7 +16,6 @@ import importlib.metadata
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from decode.config import Config, ConfigError, cli_config, config_to_dict, save_
 from decode.tracking import start_wandb
 from decode.models import load_model, load_tokenizer, model_hash, resolve_device
 from decode.prompts import build_prompt_set, chat_template_hash, tokenizer_hash
+from decode.provenance import git_revision
 from distill.gen_hf import BatchedHF
 from distill.gen_llama import BatchedLlama, lean_supported
 from distill.gen_plan import ResumeMismatch, Row, check_or_write_plan, plan_hash, plan_shards
@@ -193,14 +193,6 @@ def run_shard(runner, shard: list[Row], config: Config, eos_ids: list[int], on_b
 
 # ----------------------------------------------------------------------------- manifest
 
-def _git_sha() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
-                              text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def _versions() -> dict:
     """Installed versions for the manifest, read from package metadata (None if absent): a
     version lookup must never fail a finished run."""
@@ -235,7 +227,7 @@ def write_manifest(out_dir: Path, config: Config, print_: dict, prompt_set, shar
                     "split_counts": prompt_set.split_counts()},
         "throughput_this_run": {"tokens": tokens, "seconds": round(seconds, 2),
                                 "tokens_per_s": round(tokens / seconds, 1) if seconds else None, "ranks": throughput},
-        "versions": _versions(), "git_sha": _git_sha(), "config": config_to_dict(config),
+        "versions": _versions(), "git_sha": git_revision(), "config": config_to_dict(config),
         "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     tmp = out_dir / ".manifest.json.tmp"
