@@ -31,17 +31,24 @@ CACHE_CHUNK = 256
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
+# Rotary types whose frequencies are fixed when the model is built (Llama 3.x uses "llama3"), so the
+# runner can read them once; "dynamic" recomputes them by length, yarn/longrope also scale attention.
+STATIC_ROPE_TYPES = ("default", "linear", "llama3")
+
+
 def lean_supported(model: torch.nn.Module) -> bool:
     """True when the model is a Llama this runner computes exactly like the HF forward."""
     if not isinstance(model, LlamaForCausalLM):
         return False
     cfg = model.config
-    rope = dict(getattr(cfg, "rope_parameters", None) or {})
+    rotary = getattr(model.model, "rotary_emb", None)
+    attn = model.model.layers[0].self_attn
+    head_dim = attn.q_proj.weight.shape[0] // cfg.num_attention_heads
     params = list(model.parameters())
     return (
-        rope.get("rope_type", "default") == "default"
-        and "rope_theta" in rope
-        and set(rope) <= {"rope_type", "rope_theta"}  # no partial rotary, scaling factors, ...
+        getattr(rotary, "rope_type", None) in STATIC_ROPE_TYPES
+        and getattr(rotary, "attention_scaling", None) == 1.0
+        and 2 * rotary.inv_freq.numel() == head_dim  # rotates the whole head (no partial rotary)
         and cfg.hidden_act == "silu"
         and not getattr(cfg, "attention_bias", False)
         and not getattr(cfg, "mlp_bias", False)
@@ -145,9 +152,9 @@ class LeanLlamaRunner:
             if self.subset_ids is not None:
                 self.scatter_index = self.subset_ids[None]  # [1, N]
 
-        rope_theta = float(cfg.rope_parameters["rope_theta"])
-        half = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=self.device).float()
-        self.inv_freq = 1.0 / (rope_theta ** (half / self.head_dim))  # [D / 2], fp32
+        # The HF rotary module's own frequencies (after any static scaling; as the HF forward, in fp32
+        # from whatever dtype the buffer now has).
+        self.inv_freq = model.model.rotary_emb.inv_freq.float().to(self.device)  # [D / 2]
         self.capacity = 0
         self.reset()
 

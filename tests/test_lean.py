@@ -33,9 +33,14 @@ def _subset_draft(vocab: int, n: int, seed=3) -> LlamaForCausalLM:
     return draft
 
 
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}  # short, so the schedule's positions span it
+
 MODELS = {
     "tiny_target": lambda: tiny_model("target"),
     "untied_gqa4": lambda: _llama(),
+    "llama3_rope": lambda: _llama(rope_scaling=LLAMA3_ROPE),  # Llama 3.x's frequency scaling
+    "linear_rope": lambda: _llama(rope_scaling={"rope_type": "linear", "factor": 2.0}),
 }
 
 # (new tokens, logits kept) per call; ("rollback", length) drops positions >= length.
@@ -147,14 +152,15 @@ def test_make_runner_picks_lean_for_llama():
 
 
 @pytest.mark.parametrize("make", [
-    lambda: _llama(rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    lambda: _llama(rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+    lambda: _llama(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}),
     lambda: _llama(attention_bias=True),
     lambda: _llama(mlp_bias=True),
     lambda: _llama(hidden_act="gelu"),
     lambda: _llama().to(torch.float16),
     lambda: Qwen2ForCausalLM(Qwen2Config(vocab_size=100, hidden_size=32, intermediate_size=64,
                                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)),
-], ids=["rope_scaling", "attention_bias", "mlp_bias", "gelu", "fp16", "qwen2"])
+], ids=["dynamic_rope", "yarn_rope", "attention_bias", "mlp_bias", "gelu", "fp16", "qwen2"])
 def test_unsupported_configs_fall_back(make):
     model = make()
     assert not lean_supported(model)
