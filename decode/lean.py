@@ -195,16 +195,13 @@ class LeanLlamaRunner:
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return weight * normed.to(x.dtype)
 
-    def _model_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        """Token ids -> rows of this model's embedding, on its device."""
-        ids = ids.to(self.device)
-        return self.input_map[ids] if self.input_map is not None else ids
-
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, num_logits: int = 1, full_vocab: bool = True) -> torch.Tensor:
         """Feed ids [n] at positions length..length+n-1; return fp32 logits [num_logits, vocab_size]
         (full_vocab=False: [num_logits, N] over a subset draft's rows)."""
-        ids = self._model_ids(ids)
+        ids = ids.to(self.device)
+        if self.input_map is not None:
+            ids = self.input_map[ids]
         m, start = ids.shape[0], self.length
         assert 1 <= num_logits <= m, (num_logits, m)
         end = start + m
