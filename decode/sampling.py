@@ -7,7 +7,43 @@ acceptance rule compares (RELIABILITY items 1-4).
 
 from __future__ import annotations
 
+import numbers
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a token is drawn from logits, in every loop (target-only, speculative, batched generation)."""
+
+    temperature: float = 0.0
+    """0 means greedy (argmax); otherwise logits are divided by it."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 disables."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]; 1 disables."""
+
+    def __post_init__(self):
+        for name, kind in (("temperature", numbers.Real), ("top_k", numbers.Integral), ("top_p", numbers.Real)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, kind):
+                raise TypeError(f"{name} must be {'an int' if kind is numbers.Integral else 'a number'}, "
+                                f"got {type(value).__name__} {value!r}")
+        if not self.temperature >= 0:  # also refuses NaN
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def warp(self, logits: torch.Tensor) -> torch.Tensor:
+        """The exact distribution sampled from logits [..., V] under these parameters."""
+        return warp_probs(logits, self.temperature, self.top_k, self.top_p)
 
 
 def warp_probs(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0,
