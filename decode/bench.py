@@ -2,10 +2,10 @@
 
     python -m decode.bench --config configs/smollm2.yaml [key.sub=value ...]
 
-Setup (config, prompts, models, tokenizer check) -> warm-up -> cost model (c, r(k)) ->
-for each temperature and prompt: target-only, then speculative for every k, interleaved in
-one process on the same runners -> HF generate comparisons -> report.json / report.md /
-plots / samples.jsonl (+ W&B).
+Setup (config, prompts, models, tokenizer check, runners, proposers) -> warm-up -> cost model
+(c, r(k)) -> for each temperature and prompt: target-only, then speculative for every k and
+proposer, interleaved in one process on the same runners -> HF generate comparisons ->
+report.json / report.md / plots / samples.jsonl (+ W&B).
 """
 
 from __future__ import annotations
@@ -18,22 +18,67 @@ import platform
 import statistics
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from decode.config import Config, ConfigError, cli_config, config_to_dict
+from decode.api import build_runners
+from decode.cli import cli_config, run_cli
+from decode.config import Config, ConfigError, config_to_dict
 from decode.hf_baselines import full_vocab_view, hf_generate
-from decode.models import check_tokenizers, load_model, load_tokenizer, param_count, resolve_device
-from decode.prompts import load_prompt_set, read_split_prompts
+from decode.models import check_tokenizers, load_model, load_tokenizer, param_count, resolve_device, torch_dtype
+from decode.prompts import evaluation_split, load_prompt_set, read_split_prompts
+from decode.proposers import Proposer, make_proposer
 from decode.provenance import git_revision
 from decode.report import write_markdown, write_plots
-from decode.runner import make_runner, model_vocab_size
-from decode.speculative import generate, speculative_generate
+from decode.runners import Runner
+from decode.sampling import SamplingParams
+from decode.speculative import speculative_decode, target_decode
 from decode.stats import SpeculativeStats, predicted_speedup
 from decode.timing import cost_model, timed
 from decode.tracking import start_wandb
+from decode.vocab import VocabSubset
+
+
+@dataclass
+class Setup:
+    """What every stage of the measurement reads, built once."""
+    cfg: Config
+    device: torch.device
+    tokenizer: object
+    target: torch.nn.Module
+    draft: torch.nn.Module
+    prompt_sets: dict[str, list]
+    target_runner: Runner
+    draft_runner: Runner
+    proposers: dict[str, Proposer]
+    """By report name: "draft", and "draft+lookup" when eval.lookup_ngram > 0."""
+    out_dir: Path
+
+
+def setup(cfg: Config) -> Setup:
+    """Models (with the tokenizer check), prompt sets, runners and proposers."""
+    ev = cfg.eval
+    device = resolve_device(cfg.device)
+    dtype = torch_dtype(ev.dtype, device)
+    tokenizer = load_tokenizer(cfg.target)
+    check_tokenizers(tokenizer, load_tokenizer(cfg.draft))
+    target = load_model(cfg.target, device, dtype)
+    draft = load_model(cfg.draft, device, dtype)
+    target_params, draft_params = param_count(target), param_count(draft)
+    if draft_params >= target_params:
+        warnings.warn(f"the draft ({draft_params:,} params) is not smaller than the target ({target_params:,})")
+    context_length = min(getattr(m.config, "max_position_embeddings", 10**9) for m in (target, draft))
+    prompt_sets = eval_prompts(cfg, tokenizer, context_length)
+    target_runner, draft_runner = build_runners(target, draft, ev.backend)
+    # Each k runs with the draft alone, and with prompt lookup added when eval.lookup_ngram > 0.
+    proposers = {"draft": make_proposer(draft_runner)}
+    if ev.lookup_ngram:
+        proposers["draft+lookup"] = make_proposer(draft_runner, ev.lookup_ngram)
+    return Setup(cfg, device, tokenizer, target, draft, prompt_sets, target_runner, draft_runner, proposers,
+                 out_dir=Path(ev.out_dir or Path(cfg.distill.out_dir) / "eval"))
 
 
 def eval_prompts(cfg: Config, tokenizer, context_length: int) -> dict[str, list]:
@@ -49,7 +94,8 @@ def eval_prompts(cfg: Config, tokenizer, context_length: int) -> dict[str, list]
             prompts = read_split_prompts(data_dir, split, tokenizer)
             name = source
         else:
-            prompts = load_prompt_set(source, tokenizer, split="eval", system_prompt=cfg.generate.system_prompt,
+            prompts = load_prompt_set(source, tokenizer, split=evaluation_split(source, cfg.generate.sources),
+                                      system_prompt=cfg.generate.system_prompt,
                                       max_new_tokens=cfg.eval.max_new_tokens, context_length=context_length,
                                       eval_fraction=cfg.generate.eval_fraction)
             name = source
@@ -87,9 +133,7 @@ def aggregate(runs: list[dict], cost: dict) -> list[dict]:
                  == (prompt_set, temperature, proposer, k)]
         stats = SpeculativeStats(k=k)
         for r in group:
-            stats = stats.merge(SpeculativeStats(**{f: r["stats"][f] for f in (
-                "k", "proposed", "tried", "accepted", "emitted", "target_forwards", "looked_up",
-                "looked_up_accepted", "position_tried", "position_accepted", "accept_length_hist")}))
+            stats = stats.merge(SpeculativeStats.from_dict(r["stats"]))
         base_tok_s = sum(r["baseline_tokens"] for r in group) / sum(r["baseline_s"] for r in group)
         spec_tok_s = sum(r["speculative_tokens"] for r in group) / sum(r["speculative_s"] for r in group)
         predicted = (predicted_speedup(stats.tau, stats.draft_steps_per_forward, cost["c"], cost["r"][k])
@@ -122,143 +166,134 @@ def verdict(results: list[dict]) -> str:
             f"{best['prompt_set']}); target-only decoding is as fast or faster here.")
 
 
-def main(argv: list[str] | None = None) -> dict:
-    cfg = cli_config(argv, "Measure speculative-decoding acceptance and wall-clock speedup; write a report.")
-    cfg.check_model_refs("target", "draft")
-    ev = cfg.eval
-    out_dir = Path(ev.out_dir or Path(cfg.distill.out_dir) / "eval")
-    device = resolve_device(cfg.device)
-    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
-             "fp32": torch.float32, "bf16": torch.bfloat16}[ev.dtype]
-
-    tokenizer = load_tokenizer(cfg.target)
-    check_tokenizers(tokenizer, load_tokenizer(cfg.draft))
-    target = load_model(cfg.target, device, dtype)
-    draft = load_model(cfg.draft, device, dtype)
-    target_params, draft_params = param_count(target), param_count(draft)
-    if draft_params >= target_params:
-        warnings.warn(f"the draft ({draft_params:,} params) is not smaller than the target ({target_params:,})")
-    context_length = min(getattr(m.config, "max_position_embeddings", 10**9) for m in (target, draft))
-    prompt_sets = eval_prompts(cfg, tokenizer, context_length)
-
-    vocab = min(model_vocab_size(target), model_vocab_size(draft))
-    target_runner = make_runner(target, vocab, ev.backend)
-    draft_runner = make_runner(draft, vocab, ev.backend)
-    eos = tokenizer.eos_token_id
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tracker = start_wandb(cfg.wandb.mode, cfg.wandb.project, f"{cfg.name}-eval", out_dir,
-                          config_to_dict(cfg), job_type="eval-speedup")
-
-    # Warm-up: first calls allocate caches and pick kernels; never timed.
-    first = torch.tensor([next(iter(prompt_sets.values()))[0].token_ids])
+def warm_up_and_cost(s: Setup) -> dict:
+    """Untimed warm-up (first calls allocate caches and pick kernels), then the cost model c, r(k)."""
+    ev = s.cfg.eval
+    first = torch.tensor([next(iter(s.prompt_sets.values()))[0].token_ids])
+    greedy = SamplingParams()
     for _ in range(ev.warmup):
-        generate(target, first, max_new_tokens=8, target_runner=target_runner)
-        speculative_generate(target, draft, first, k=max(ev.ks), max_new_tokens=8,
-                             target_runner=target_runner, draft_runner=draft_runner)
-    cost = cost_model(target_runner, draft_runner, list(first[0].tolist()), ev.r_max_k)
+        target_decode(s.target_runner, first, max_new_tokens=8, sampling=greedy)
+        speculative_decode(s.target_runner, s.proposers["draft"], first, k=max(ev.ks), max_new_tokens=8,
+                           sampling=greedy)
+    return cost_model(s.target_runner, s.draft_runner, list(first[0].tolist()), ev.r_max_k)
 
-    n_prompts = sum(len(p) for p in prompt_sets.values())
-    # Each k runs with the draft alone, and with prompt lookup added when eval.lookup_ngram > 0.
-    proposers = {"draft": 0} | ({"draft+lookup": ev.lookup_ngram} if ev.lookup_ngram else {})
-    progress = tqdm(total=n_prompts * len(ev.temperatures) * (1 + len(ev.ks) * len(proposers)), desc="eval-speedup",
-                    dynamic_ncols=True)
+
+def measure(s: Setup) -> tuple[list[dict], list[dict], dict[tuple[str, str], list[int]]]:
+    """For each temperature and prompt: target-only, then speculative for every (k, proposer), interleaved
+    on the same runners. Returns (runs, samples, target-only greedy tokens by (prompt set, prompt id))."""
+    ev = s.cfg.eval
+    n_prompts = sum(len(p) for p in s.prompt_sets.values())
+    progress = tqdm(total=n_prompts * len(ev.temperatures) * (1 + len(ev.ks) * len(s.proposers)),
+                    desc="eval-speedup", dynamic_ncols=True)
     runs, samples = [], []
     greedy_tokens: dict[tuple[str, str], list[int]] = {}  # target-only greedy output, for the HF checks
     for temperature in ev.temperatures:
-        sampling = dict(temperature=temperature, top_k=ev.top_k, top_p=ev.top_p, eos_token_id=eos)
-        for set_name, prompts in prompt_sets.items():
+        for set_name, prompts in s.prompt_sets.items():
             for prompt in prompts:
-                input_ids = torch.tensor([prompt.token_ids], device=device)
-                seed = prompt_seed(cfg.seed, prompt.prompt_id, temperature)
-                base_s: list[float] = []
-                with timed(device, base_s):
-                    base = generate(target, input_ids, max_new_tokens=ev.max_new_tokens, target_runner=target_runner,
-                                    generator=torch.Generator(device).manual_seed(seed), **sampling)
-                progress.update(1)
+                base = measure_prompt(s, set_name, prompt, temperature, runs, samples, progress)
                 if temperature == 0:
-                    greedy_tokens[(set_name, prompt.prompt_id)] = base.tolist()
-                samples.append({"prompt_set": set_name, "prompt_id": prompt.prompt_id, "temperature": temperature,
-                                "method": "target-only", "text": tokenizer.decode(base)})
-                for k, (proposer, lookup_ngram) in itertools.product(ev.ks, proposers.items()):
-                    spec_s: list[float] = []
-                    with timed(device, spec_s):
-                        out = speculative_generate(target, draft, input_ids, k=k, max_new_tokens=ev.max_new_tokens,
-                                                   target_runner=target_runner, draft_runner=draft_runner,
-                                                   generator=torch.Generator(device).manual_seed(seed + k),
-                                                   lookup_ngram=lookup_ngram, **sampling)
-                    progress.update(1)
-                    speedup = (len(out.tokens) / spec_s[0]) / (len(base) / base_s[0])
-                    runs.append({"prompt_set": set_name, "prompt_id": prompt.prompt_id, "temperature": temperature,
-                                 "proposer": proposer, "k": k, "prompt_tokens": len(prompt.token_ids),
-                                 "baseline_tokens": len(base), "baseline_s": base_s[0],
-                                 "speculative_tokens": len(out.tokens), "speculative_s": spec_s[0],
-                                 "speedup": speedup, "stats": {**out.stats.to_dict(),
-                                                               "position_tried": out.stats.position_tried,
-                                                               "position_accepted": out.stats.position_accepted},
-                                 "greedy_identical": out.tokens.tolist() == base.tolist() if temperature == 0 else None})
-                    method = f"speculative k={k}" + (" + lookup" if lookup_ngram else "")
-                    samples.append({"prompt_set": set_name, "prompt_id": prompt.prompt_id, "temperature": temperature,
-                                    "method": method, "text": tokenizer.decode(out.tokens)})
-                    progress.set_postfix(speedup=f"{speedup:.2f}", alpha=f"{out.stats.alpha:.2f}")
+                    greedy_tokens[(set_name, prompt.prompt_id)] = base
     progress.close()
-    results = aggregate(runs, cost)
-    hf_rows = hf_comparisons(cfg, target, draft, prompt_sets, results, greedy_tokens, eos, device,
-                             vocab, target_runner) if ev.hf_baselines else []
+    return runs, samples, greedy_tokens
 
-    report = {
-        "command": " ".join(["python -m decode.bench"] + (argv if argv is not None else sys.argv[1:])),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": device_description(device), "git_sha": git_revision() or "unknown",
-        "backend": type(target_runner).__name__,
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "transformers": __import__("transformers").__version__},
-        "config": config_to_dict(cfg), "max_new_tokens": ev.max_new_tokens,
-        "target": {"ref": cfg.target, "params": target_params},
-        "draft": {"ref": cfg.draft, "params": draft_params, "param_ratio": draft_params / target_params,
-                  "vocab_subset": len(getattr(draft.config, "draft_vocab_ids", None) or []) or None},
-        "prompt_sets": {name: [p.prompt_id for p in prompts] for name, prompts in prompt_sets.items()},
-        "cost_model": cost, "results": results, "hf": hf_rows, "runs": runs,
-    }
-    report["verdict"] = verdict(results)
-    write_outputs(report, samples, out_dir)
+
+def measure_prompt(s: Setup, set_name: str, prompt, temperature: float, runs: list[dict], samples: list[dict],
+                   progress) -> list[int]:
+    """One prompt at one temperature: target-only, then each (k, proposer); appends to runs and samples.
+    Returns the target-only tokens."""
+    ev = s.cfg.eval
+    sampling = SamplingParams(temperature, ev.top_k, ev.top_p)
+    input_ids = torch.tensor([prompt.token_ids], device=s.device)
+    seed = prompt_seed(s.cfg.seed, prompt.prompt_id, temperature)
+    eos = s.tokenizer.eos_token_id
+    where = {"prompt_set": set_name, "prompt_id": prompt.prompt_id, "temperature": temperature}
+    base_s: list[float] = []
+    with timed(s.device, base_s):
+        base = target_decode(s.target_runner, input_ids, max_new_tokens=ev.max_new_tokens, sampling=sampling,
+                             eos_token_id=eos, generator=torch.Generator(s.device).manual_seed(seed))
+    progress.update(1)
+    samples.append({**where, "method": "target-only", "text": s.tokenizer.decode(base)})
+    for k, (name, proposer) in itertools.product(ev.ks, s.proposers.items()):
+        spec_s: list[float] = []
+        with timed(s.device, spec_s):
+            out = speculative_decode(s.target_runner, proposer, input_ids, k=k, max_new_tokens=ev.max_new_tokens,
+                                     sampling=sampling, eos_token_id=eos,
+                                     generator=torch.Generator(s.device).manual_seed(seed + k))
+        progress.update(1)
+        speedup = (len(out.tokens) / spec_s[0]) / (len(base) / base_s[0])
+        runs.append({**where, "proposer": name, "k": k, "prompt_tokens": len(prompt.token_ids),
+                     "baseline_tokens": len(base), "baseline_s": base_s[0],
+                     "speculative_tokens": len(out.tokens), "speculative_s": spec_s[0],
+                     "speedup": speedup, "stats": out.stats.to_dict(),
+                     "greedy_identical": out.tokens.tolist() == base.tolist() if sampling.greedy else None})
+        method = f"speculative k={k}" + (" + lookup" if name != "draft" else "")
+        samples.append({**where, "method": method, "text": s.tokenizer.decode(out.tokens)})
+        progress.set_postfix(speedup=f"{speedup:.2f}", alpha=f"{out.stats.alpha:.2f}")
+    return base.tolist()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    cfg = cli_config(argv, "Measure speculative-decoding acceptance and wall-clock speedup; write a report.")
+    cfg.check_model_refs("target", "draft")
+    s = setup(cfg)
+    s.out_dir.mkdir(parents=True, exist_ok=True)
+    tracker = start_wandb(cfg.wandb.mode, cfg.wandb.project, f"{cfg.name}-eval", s.out_dir,
+                          config_to_dict(cfg), job_type="eval-speedup")
+    cost = warm_up_and_cost(s)
+    runs, samples, greedy_tokens = measure(s)
+    results = aggregate(runs, cost)
+    hf_rows = hf_comparisons(s, results, greedy_tokens) if cfg.eval.hf_baselines else []
+    report = build_report(s, argv, cost, results, hf_rows, runs)
+    write_outputs(report, samples, s.out_dir)
     if tracker is not None:
-        for row in results:
-            tracker.log({f"{row['prompt_set']}/T{row['temperature']}/{row['proposer']}/k{row['k']}/{m}": row[m]
-                         for m in ("alpha", "tau", "speedup", "predicted_speedup") if row[m] is not None})
-        tracker.summary.update({"verdict": report["verdict"], "c": cost["c"]})
-        tracker.finish()
-    print_headline(report, out_dir)
+        log_to_wandb(tracker, report)
+    print_headline(report, s.out_dir)
     return report
 
 
-def hf_comparisons(cfg, target, draft, prompt_sets, results, greedy_tokens, eos, device, vocab,
-                   target_runner) -> list[dict]:
+def build_report(s: Setup, argv: list[str] | None, cost: dict, results: list[dict], hf_rows: list[dict],
+                 runs: list[dict]) -> dict:
+    cfg = s.cfg
+    target_params, draft_params = param_count(s.target), param_count(s.draft)
+    subset = VocabSubset.from_config(s.draft.config)
+    report = {
+        "command": " ".join(["python -m decode.bench"] + (argv if argv is not None else sys.argv[1:])),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": device_description(s.device), "git_sha": git_revision() or "unknown",
+        "backend": type(s.target_runner).__name__,
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": __import__("transformers").__version__},
+        "config": config_to_dict(cfg), "max_new_tokens": cfg.eval.max_new_tokens,
+        "target": {"ref": cfg.target, "params": target_params},
+        "draft": {"ref": cfg.draft, "params": draft_params, "param_ratio": draft_params / target_params,
+                  "vocab_subset": subset.size if subset is not None else None},
+        "prompt_sets": {name: [p.prompt_id for p in prompts] for name, prompts in s.prompt_sets.items()},
+        "cost_model": cost, "results": results, "hf": hf_rows, "runs": runs,
+    }
+    report["verdict"] = verdict(results)
+    return report
+
+
+def log_to_wandb(tracker, report: dict) -> None:
+    for row in report["results"]:
+        tracker.log({f"{row['prompt_set']}/T{row['temperature']}/{row['proposer']}/k{row['k']}/{m}": row[m]
+                     for m in ("alpha", "tau", "speedup", "predicted_speedup") if row[m] is not None})
+    tracker.summary.update({"verdict": report["verdict"], "c": report["cost_model"]["c"]})
+    tracker.finish()
+
+
+def hf_comparisons(s: Setup, results: list[dict], greedy_tokens: dict[tuple[str, str], list[int]]) -> list[dict]:
     """HF greedy, assisted generation and prompt lookup on the same prompts (greedy, timed the same way)."""
-    ev = cfg.eval
-    assistant = full_vocab_view(draft, vocab) if getattr(draft.config, "draft_vocab_ids", None) else draft
+    ev = s.cfg.eval
+    assistant = full_vocab_view(s.draft) if VocabSubset.from_config(s.draft.config) is not None else s.draft
     methods = [("hf greedy", None)] + [(m, k) for k in ev.hf_ks for m in ("hf assisted", "hf prompt lookup")]
     # HF assisted generation runs the draft alone: compare it with our draft-only rows.
     ours = {(r["prompt_set"], r["k"]): r for r in results if r["temperature"] == 0 and r["proposer"] == "draft"}
     rows = []
-    for set_name, prompts in prompt_sets.items():
+    for set_name, prompts in s.prompt_sets.items():
         base_rows = [r for r in results if r["prompt_set"] == set_name and r["temperature"] == 0]
         for method, k in tqdm(methods, desc=f"hf baselines {set_name}", dynamic_ncols=True):
-            tokens, seconds, identical = 0, 0.0, True
-            for prompt in prompts:
-                input_ids = torch.tensor([prompt.token_ids], device=device)
-                key = (set_name, prompt.prompt_id)
-                if key not in greedy_tokens:
-                    greedy_tokens[key] = generate(target, input_ids, max_new_tokens=ev.max_new_tokens,
-                                                  eos_token_id=eos, target_runner=target_runner).tolist()
-                times: list[float] = []
-                with timed(device, times):
-                    new = hf_generate(target, input_ids, ev.max_new_tokens, eos,
-                                      assistant=assistant if method == "hf assisted" else None, k=k or 4,
-                                      prompt_lookup=method == "hf prompt lookup")
-                tokens += len(new)
-                seconds += times[0]
-                identical &= new.tolist() == greedy_tokens[key]
-            tok_s = tokens / seconds
+            tok_s, identical = time_hf_method(s, set_name, prompts, method, k, assistant, greedy_tokens)
             row = {"prompt_set": set_name, "method": method, "k": k, "tok_s": tok_s, "identical_to_ours": identical}
             if base_rows:
                 row["vs_our_baseline"] = tok_s / base_rows[0]["baseline_tok_s"]
@@ -266,6 +301,28 @@ def hf_comparisons(cfg, target, draft, prompt_sets, results, greedy_tokens, eos,
                 row["ours_over_this"] = ours[(set_name, k)]["speculative_tok_s"] / tok_s
             rows.append(row)
     return rows
+
+
+def time_hf_method(s: Setup, set_name: str, prompts: list, method: str, k: int | None, assistant,
+                   greedy_tokens: dict[tuple[str, str], list[int]]) -> tuple[float, bool]:
+    """(tokens/s pooled over the prompts, whether every output equals our target-only greedy tokens)."""
+    ev, eos = s.cfg.eval, s.tokenizer.eos_token_id
+    tokens, seconds, identical = 0, 0.0, True
+    for prompt in prompts:
+        input_ids = torch.tensor([prompt.token_ids], device=s.device)
+        key = (set_name, prompt.prompt_id)
+        if key not in greedy_tokens:
+            greedy_tokens[key] = target_decode(s.target_runner, input_ids, max_new_tokens=ev.max_new_tokens,
+                                               sampling=SamplingParams(), eos_token_id=eos).tolist()
+        times: list[float] = []
+        with timed(s.device, times):
+            new = hf_generate(s.target, input_ids, ev.max_new_tokens, eos,
+                              assistant=assistant if method == "hf assisted" else None, k=k or 4,
+                              prompt_lookup=method == "hf prompt lookup")
+        tokens += len(new)
+        seconds += times[0]
+        identical &= new.tolist() == greedy_tokens[key]
+    return tokens / seconds, identical
 
 
 def write_outputs(report: dict, samples: list[dict], out_dir: Path) -> None:
@@ -293,4 +350,4 @@ def print_headline(report: dict, out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -2,8 +2,10 @@
 
 One YAML file per experiment drives generate-data, distill and eval-speedup.
 Unknown keys, wrong types and impossible values fail here, with a clear
-message, before any model is loaded. The machinery lives in `decode/` because
-`decode/` must never import `distill/`, and both read the same file.
+message, before any model is loaded: each section lists its own problems and
+`Config.validate` adds the checks that span sections. The machinery lives in
+`decode/` because `decode/` must never import `distill/`, and both read the
+same file.
 """
 
 from __future__ import annotations
@@ -19,19 +21,17 @@ from pathlib import Path
 
 import yaml
 
+from decode.errors import UserError
+from decode.sampling import SamplingParams
 
-class ConfigError(ValueError):
+DTYPE_NAMES = ("fp32", "bf16")
+"""The one spelling of a dtype in every section (decode.models.torch_dtype maps them to torch)."""
+LOSS_NAMES = ("forward_kl", "reverse_kl", "jsd", "tvd", "ce")
+DATA_SPLITS = ("train", "eval")
+
+
+class ConfigError(UserError):
     """A configuration problem, reported before any heavy work starts."""
-
-
-@dataclass
-class SamplingConfig:
-    temperature: float = 0.0
-    """0 means greedy (argmax); otherwise logits are divided by it."""
-    top_k: int = 0
-    """Keep only the k most likely tokens; 0 disables."""
-    top_p: float = 1.0
-    """Nucleus sampling mass in (0, 1]; 1 disables."""
 
 
 @dataclass
@@ -68,13 +68,33 @@ class GenerateConfig:
     """Store the target's top-k token ids and logprobs (temperature 1) per completion token; 0 = off."""
     max_prompt_tokens: int = 1024
     """Prompts longer than this (after the chat template) are skipped and reported."""
-    dtype: str = "float32"
-    """'float32' or 'bfloat16'. The lean runner then runs only its GEMMs in bf16 (fp32 weights copy, residual
+    dtype: str = "fp32"
+    """'fp32' or 'bf16'. The lean runner then runs only its GEMMs in bf16 (fp32 weights copy, residual
     stream, softmax): ~2x faster batches on CPUs with avx512_bf16, logprobs within KL ~5e-4 of fp32."""
     backend: str = "auto"
     """'auto' uses the lean batched Llama runner when it applies, 'lean' requires it, 'hf' forces HF forwards."""
     stop_after_shards: int = 0
     """Stop each rank after writing this many shards (0 = finish); a rerun resumes. For time-boxed runs and tests."""
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p)
+
+    def problems(self) -> list[str]:
+        """This section's impossible values, one message each (empty when all is well)."""
+        out = [p for name in ("temperature", "top_k", "top_p")
+               if (p := _sampling_problem(f"generate.{name}", name, getattr(self, name)))]
+        out += _not_one_of("generate.mode", self.mode, ("generate", "score"))
+        out += _not_one_of("generate.backend", self.backend, ("auto", "lean", "hf"))
+        out += _not_one_of("generate.dtype", self.dtype, DTYPE_NAMES)
+        for name in ("batch_size", "shard_size", "samples_per_prompt", "max_new_tokens"):
+            if getattr(self, name) <= 0:
+                out.append(f"generate.{name} must be >= 1")
+        if self.mode == "score" and self.teacher_topk <= 0:
+            out.append("generate.teacher_topk must be >= 1 in score mode (the top-k is what it stores)")
+        if not 0 <= self.eval_fraction < 1:
+            out.append(f"generate.eval_fraction: {self.eval_fraction} is outside [0, 1)")
+        return out
 
 
 @dataclass
@@ -135,13 +155,42 @@ class DistillConfig:
     tau_k: int = 4
     """Draft length k for the τ implied by the held-out α (decode.stats.expected_tau)."""
 
+    def problems(self) -> list[str]:
+        """This section's impossible values, one message each; warns about unusual draft sizes."""
+        out = _not_one_of("distill.teacher", self.teacher, ("cached", "online"))
+        out += _not_one_of("distill.precision", self.precision, ("auto",) + DTYPE_NAMES)
+        out += _not_one_of("distill.embed_init", self.embed_init, ("target", "random"))
+        if not 0 < self.param_ratio < 1:
+            out.append(f"distill.param_ratio: {self.param_ratio} must be in (0, 1)")
+        elif not 0.01 <= self.param_ratio <= 0.03:
+            warnings.warn(f"distill.param_ratio={self.param_ratio} is outside the usual 1-3% of the target")
+        out += [f"distill.loss: unknown loss {name!r}{_suggest(name, LOSS_NAMES)}"
+                for name in self.loss if name not in LOSS_NAMES]
+        if any(w < 0 for w in self.loss.values()) or not any(w > 0 for w in self.loss.values()):
+            out.append(f"distill.loss={self.loss}: weights must be >= 0 with at least one > 0")
+        if self.init == "scratch" and self.lora_rank > 0:
+            out.append("distill.lora_rank > 0 needs a pretrained distill.init (LoRA on a random draft is pointless)")
+        if self.init != "scratch" and self.vocab_subset:
+            out.append("distill.vocab_subset works with init=scratch only (a pretrained head has the full vocabulary)")
+        if not 0 < self.jsd_beta < 1:
+            out.append(f"distill.jsd_beta={self.jsd_beta} must be in (0, 1)")
+        if self.kd_temperature <= 0:
+            out.append(f"distill.kd_temperature={self.kd_temperature} must be > 0")
+        for name in ("micro_batch_size", "grad_accum", "max_steps", "max_seq_len", "tau_k"):
+            if getattr(self, name) < 1:
+                out.append(f"distill.{name} must be >= 1")
+        if self.deepspeed_config and not Path(self.deepspeed_config).is_file():
+            out.append(f"distill.deepspeed_config: {self.deepspeed_config!r} does not exist")
+        return out
+
 
 @dataclass
 class EvalConfig:
     out_dir: str | None = None
     """Report folder (default: <distill.out_dir>/eval)."""
     prompts: list[str] = field(default_factory=lambda: ["data:eval"])
-    """Evaluation prompt sets: 'data:eval' (held-out split of generate.out_dir), or any generate source."""
+    """Evaluation prompt sets: 'data:eval' (held-out split of generate.out_dir), a named source (its
+    held-out split), or a local file (used whole unless generate.sources trains on it too)."""
     num_prompts: int = 8
     """Prompts per prompt set."""
     max_new_tokens: int = 64
@@ -167,6 +216,33 @@ class EvalConfig:
     """> 0: also run every k with prompt lookup added to the draft (matching the last n..2 tokens,
     decode/lookup.py), reported as 'draft+lookup' rows next to the draft-only ones (0 = off)."""
 
+    def sampling(self, temperature: float) -> SamplingParams:
+        """The sampling parameters of one swept temperature."""
+        return SamplingParams(temperature, self.top_k, self.top_p)
+
+    def problems(self) -> list[str]:
+        """This section's impossible values, one message each (empty when all is well)."""
+        out = [p for name in ("top_k", "top_p") if (p := _sampling_problem(f"eval.{name}", name, getattr(self, name)))]
+        out += [p for i, t in enumerate(self.temperatures)
+                if (p := _sampling_problem(f"eval.temperatures[{i}]", "temperature", t))]
+        # Empty sweeps would fail only after the models load (max() of nothing, no first prompt).
+        for name in ("prompts", "ks", "temperatures") + (("hf_ks",) if self.hf_baselines else ()):
+            if not getattr(self, name):
+                out.append(f"eval.{name} is empty" + ("; list at least one k or set eval.hf_baselines=false"
+                                                     if name == "hf_ks" else ""))
+        out += [f"eval.{name}: k={k}; the draft length k must be >= 1"
+                for name in ("ks", "hf_ks") for k in getattr(self, name) if k <= 0]
+        out += [f"eval.prompts: {source!r} names split {source[5:]!r}; use 'data:eval' or 'data:train'"
+                for source in self.prompts if source.startswith("data:") and source[5:] not in DATA_SPLITS]
+        for name in ("num_prompts", "max_new_tokens"):
+            if getattr(self, name) <= 0:
+                out.append(f"eval.{name} must be >= 1")
+        if self.lookup_ngram and self.lookup_ngram < 2:
+            out.append(f"eval.lookup_ngram: {self.lookup_ngram}; use 0 (off) or an n-gram size >= 2")
+        out += _not_one_of("eval.dtype", self.dtype, ("auto",) + DTYPE_NAMES)
+        out += _not_one_of("eval.backend", self.backend, ("auto", "lean", "graph", "hf"))
+        return out
+
 
 @dataclass
 class WandbConfig:
@@ -191,69 +267,48 @@ class Config:
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def validate(self) -> None:
-        """Check values that are well-typed but impossible. Raises ConfigError."""
-        problems = []
-        for where, s in (("generate", self.generate), ("eval", self.eval)):
-            problems += _sampling_problems(where, s.temperature if hasattr(s, "temperature") else 0.0,
-                                           s.top_k, s.top_p)
-        for t in self.eval.temperatures:
-            if t < 0:
-                problems.append(f"eval.temperatures: {t} < 0; temperature must be >= 0")
-        for k in self.eval.ks + self.eval.hf_ks:
-            if k <= 0:
-                problems.append(f"eval.ks: k={k}; the draft length k must be >= 1")
-        if self.generate.mode not in ("generate", "score"):
-            problems.append(f"generate.mode: {self.generate.mode!r} is not 'generate' or 'score'")
-        if self.distill.teacher not in ("cached", "online"):
-            problems.append(f"distill.teacher: {self.distill.teacher!r} is not 'cached' or 'online'")
-        if not 0 < self.distill.param_ratio < 1:
-            problems.append(f"distill.param_ratio: {self.distill.param_ratio} must be in (0, 1)")
-        elif not 0.01 <= self.distill.param_ratio <= 0.03:
-            warnings.warn(f"distill.param_ratio={self.distill.param_ratio} is outside the usual 1-3% of the target")
-        known_losses = {"forward_kl", "reverse_kl", "jsd", "tvd", "ce"}
-        for name in self.distill.loss:
-            if name not in known_losses:
-                problems.append(f"distill.loss: unknown loss {name!r}{_suggest(name, known_losses)}")
-        for name in ("batch_size", "shard_size", "samples_per_prompt", "max_new_tokens"):
-            if getattr(self.generate, name) <= 0:
-                problems.append(f"generate.{name} must be >= 1")
-        if self.eval.lookup_ngram and self.eval.lookup_ngram < 2:
-            problems.append(f"eval.lookup_ngram: {self.eval.lookup_ngram}; use 0 (off) or an n-gram size >= 2")
-        if self.eval.dtype not in ("auto", "fp32", "bf16"):
-            problems.append(f"eval.dtype: {self.eval.dtype!r} is not 'auto', 'fp32' or 'bf16'")
-        if self.eval.backend not in ("auto", "lean", "graph", "hf"):
-            problems.append(f"eval.backend: {self.eval.backend!r} is not 'auto', 'lean', 'graph' or 'hf'")
-        if self.eval.max_new_tokens <= 0:
-            problems.append("eval.max_new_tokens must be >= 1")
+        """Check values that are well-typed but impossible, in every section. Raises ConfigError."""
+        problems = self.generate.problems() + self.distill.problems() + self.eval.problems()
+        if "data:eval" in self.eval.prompts and self.generate.eval_fraction == 0:
+            problems.append("eval.prompts: 'data:eval' is the held-out split of generate.out_dir, which "
+                            "generate.eval_fraction=0 leaves empty")
         if problems:
             raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
 
-    def check_model_refs(self, *which: str) -> None:
-        """Fail early when a model reference names a local path that does not exist."""
-        for attr in which:
-            ref = getattr(self, attr)
-            if looks_like_local_path(ref) and not Path(ref).expanduser().exists():
-                raise ConfigError(f"{attr}: model path {ref!r} does not exist")
+    def check_model_refs(self, *keys: str) -> None:
+        """Fail before any heavy work when a model reference cannot load: a missing or incomplete
+        local folder, an unknown embedded/tiny name, a hub id while the hub is offline.
+        `keys` are the references this stage uses, e.g. 'target' or 'distill.init'."""
+        from decode.models import reference_problem  # torch + transformers: only where models are used
+
+        problems = [f"{key}: {problem}" for key in keys
+                    if (problem := reference_problem(_value_at(self, key)))]
+        if problems:
+            raise ConfigError("\n".join(problems))
 
 
-def _sampling_problems(where: str, temperature: float, top_k: int, top_p: float) -> list[str]:
-    out = []
-    if temperature < 0:
-        out.append(f"{where}.temperature: {temperature} < 0; temperature must be >= 0")
-    if top_k < 0:
-        out.append(f"{where}.top_k: {top_k} < 0; use 0 to disable top-k")
-    if not 0 < top_p <= 1:
-        out.append(f"{where}.top_p: {top_p} is outside (0, 1]")
-    return out
+def _value_at(config: Config, key: str):
+    """config.distill.init for 'distill.init'."""
+    value = config
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
 
 
-def looks_like_local_path(ref: str) -> bool:
-    """A hub id is 'org/name'; anything with a scheme prefix is special; the rest is a path."""
-    if ref.startswith(("embedded:", "tiny:")):
-        return False
-    if ref.startswith((".", "/", "~")) or ref.count("/") != 1:
-        return True
-    return Path(ref).exists()
+def _sampling_problem(key: str, name: str, value) -> str | None:
+    """The sampler's own check of one value, so the config accepts exactly what sampling does."""
+    try:
+        SamplingParams(**{name: value})
+    except (TypeError, ValueError) as e:
+        return f"{key}: {e}"
+    return None
+
+
+def _not_one_of(key: str, value: str, choices: tuple[str, ...]) -> list[str]:
+    """[] when value is one of choices, else the one problem saying which are allowed."""
+    if value in choices:
+        return []
+    return [f"{key}: {value!r} is not one of {', '.join(map(repr, choices))}{_suggest(value, choices)}"]
 
 
 def _suggest(name: str, candidates) -> str:
@@ -325,7 +380,10 @@ def parse_overrides(overrides: list[str]) -> dict:
         parts = key.strip().split(".")
         for part in parts[:-1]:
             node = node.setdefault(part, {})
-        node[parts[-1]] = yaml.safe_load(raw) if raw != "" else None
+        try:
+            node[parts[-1]] = yaml.safe_load(raw) if raw != "" else None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({_yaml_reason(e)})") from e
     return tree
 
 
@@ -340,19 +398,39 @@ def _merge(base: dict, extra: dict) -> dict:
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
-    """Read a YAML config, apply `key.sub=value` overrides, type-check and validate it."""
+    """Read a YAML config, apply `key.sub=value` overrides, type-check and validate it.
+
+    An empty file (or one with only comments) is an error, not a run with every default."""
     data: dict = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        data = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping")
+        data = _read_yaml(Path(path))
     data = _merge(data, parse_overrides(overrides or []))
     config = _build(Config, data, "")
     config.validate()
     return config
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start})") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML ({_yaml_reason(e)})") from e
+    if data is None:
+        raise ConfigError(f"config file {str(path)!r} is empty; see configs/ for examples")
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r}: the top level must be a mapping of keys to values")
+    return data
+
+
+def _yaml_reason(error: yaml.YAMLError) -> str:
+    """'<problem> at line L, column C' from a PyYAML error, without its multi-line excerpt."""
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark else problem
 
 
 def config_to_dict(config: Config) -> dict:
@@ -362,31 +440,3 @@ def config_to_dict(config: Config) -> dict:
 def save_config(config: Config, path: str | os.PathLike) -> None:
     """Write the resolved config next to the artefacts it produced."""
     Path(path).write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
-
-
-def cli_config(argv: list[str] | None, description: str) -> Config:
-    """Shared command line: `--config path.yaml key.sub=value ...`; `--help` lists every key."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description=description, epilog=_help_epilog(),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=None, help="YAML config (see configs/)")
-    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. eval.ks=[2,4]")
-    args = parser.parse_args(argv)
-    try:
-        return load_config(args.config, args.overrides)
-    except ConfigError as e:
-        parser.exit(2, f"error: {e}\n")
-
-
-def _help_epilog() -> str:
-    lines = ["config keys (defaults):"]
-    for section in (None, "generate", "distill", "eval", "wandb"):
-        cls = Config if section is None else typing.get_type_hints(Config)[section]
-        for f in dataclasses.fields(cls):
-            if dataclasses.is_dataclass(f.type) or f.name in ("generate", "distill", "eval", "wandb"):
-                continue
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            key = f.name if section is None else f"{section}.{f.name}"
-            lines.append(f"  {key} = {default!r}")
-    return "\n".join(lines)

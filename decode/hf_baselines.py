@@ -11,27 +11,25 @@ import copy
 import torch
 from transformers import GenerationConfig
 
-from decode.runner import subset_maps
+from decode.vocab import VocabSubset
 
 
-def full_vocab_view(draft, full_vocab_size: int):
+def full_vocab_view(draft):
     """The same vocabulary-subset draft presented to HF assisted generation as a full-vocabulary
-    model: input ids are mapped into the subset and logits scattered back with -inf elsewhere.
+    model: input ids are mapped to the subset's rows and logits spread back with -inf elsewhere.
     A subclass of the draft's own class, so HF's generation machinery treats it as usual."""
-    subset_ids, input_map = subset_maps(draft.config, full_vocab_size, draft.device)
+    subset = VocabSubset.of(draft)
 
     class FullVocabDraft(type(draft)):
         def forward(self, input_ids=None, **kwargs):
-            out = super().forward(input_ids=input_map[input_ids], **kwargs)
-            full = out.logits.new_full((*out.logits.shape[:-1], full_vocab_size), float("-inf"))
-            full[..., subset_ids] = out.logits[..., : len(subset_ids)]
-            out.logits = full
+            out = super().forward(input_ids=subset.rows(input_ids), **kwargs)
+            out.logits = subset.spread(out.logits)
             return out
 
     view = FullVocabDraft(copy.deepcopy(draft.config))
     view.load_state_dict(draft.state_dict())
     view.generation_config = draft.generation_config
-    view.config.vocab_size = full_vocab_size  # what HF reads; the weights keep their subset shape
+    view.config.vocab_size = subset.full_vocab_size  # what HF reads; the weights keep their subset shape
     return view.to(device=draft.device, dtype=draft.dtype).eval()
 
 

@@ -27,6 +27,10 @@ class NgramIndex:
         self.tokens: list[int] = []
         self.follower: dict[tuple[int, ...], int] = {}  # n-gram -> index of the token after it
 
+    def __len__(self) -> int:
+        """Tokens indexed so far."""
+        return len(self.tokens)
+
     def extend(self, tokens: list[int]) -> None:
         for token in tokens:
             self.tokens.append(token)

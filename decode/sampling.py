@@ -1,8 +1,9 @@
-"""Logits -> the exact distribution that is sampled. The only such place in the project.
+"""Logits -> the exact distribution that is sampled, and the one sampler. The only such place in the project.
 
 Target-only decoding, the speculative draft, and the speculative verifier all call
 `warp_probs`, so the distribution a token was sampled from is the one the
-acceptance rule compares (RELIABILITY items 1-4).
+acceptance rule compares (RELIABILITY items 1-4). Every draw, batch-1 (`sample`) or batched
+(`sample_rows`, generate-data), is `inverse_cdf` at a uniform in [0, 1).
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ import numbers
 from dataclasses import dataclass
 
 import torch
+
+# Top-p candidates sorted per row by sample_rows; at T=0.7, top-p 0.95 SmolLM2's nucleus rarely exceeds ~100 tokens.
+NUCLEUS_CANDIDATES = 512
 
 
 @dataclass(frozen=True)
@@ -63,33 +67,95 @@ def warp_probs(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0,
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(-1)
-        # Drop a token when the mass strictly before it already reaches top_p; the most
-        # likely token is always kept.
-        mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        drop_sorted = mass_before >= top_p
+        drop_sorted = _outside_nucleus(sorted_logits.softmax(-1), top_p)
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(-1)
 
 
+def _outside_nucleus(sorted_probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Descending probabilities [..., C] -> True where a token falls outside the top-p nucleus: the
+    mass strictly before it already reaches top_p. The most likely token is always kept."""
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs
+    return mass_before >= top_p
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Draw one token id per row of probs [..., V] -> [...] (long), by inverse CDF: the first
-    token whose cumulative probability exceeds u * total, u ~ U[0, 1).
+    """Draw one token id per row of probs [..., V] -> [...] (long): `inverse_cdf` at u ~ U[0, 1).
 
     Why not torch.multinomial: on a 2-core CPU it took 1.0 ms for one draw over 49,152 tokens
     (0.18 ms over 8,192), 4% of a SmolLM2-135M decode step; this takes 0.09 ms (0.04 ms)
     (scripts/bench_sampler.py).
-    A zero-probability token adds nothing to the cumulative sum, so it can never be the first to exceed u.
     """
     if generator is not None and generator.device != probs.device:
         probs = probs.to(generator.device)
-    flat = probs.reshape(-1, probs.shape[-1])
-    cdf = flat.double().cumsum(-1)  # [R, V]; float64 so the running sum does not drift
-    u = torch.rand(flat.shape[0], 1, generator=generator, device=flat.device, dtype=torch.float64)
+    flat = probs.reshape(-1, probs.shape[-1])  # [R, V]
+    uniforms = torch.rand(flat.shape[0], generator=generator, device=flat.device, dtype=torch.float64)
+    return inverse_cdf(flat, uniforms).reshape(probs.shape[:-1])
+
+
+def sample_rows(logits: torch.Tensor, uniforms: torch.Tensor, sampling: SamplingParams,
+                candidates: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """One token per row of logits [B, V] from `sampling.warp`'s distribution, at uniforms [B] in
+    [0, 1) -> ids [B] (long). The batched entry: generate-data draws every row from its own stream.
+
+    Inverse CDF in vocabulary order over the kept tokens, accumulated in fp64: a rounding-level
+    change of the logits (another batch, another rank) then moves a draw only when the uniform
+    lands within ~1e-9 of a CDF step. (Descending-probability order would not do: near-ties
+    reorder under rounding noise.)
+    warp_probs sorts all 49k logits per row for top-p (30% of a batch-128 decode step on this
+    CPU); the nucleus at T=0.7, top-p 0.95 almost always lies within the top NUCLEUS_CANDIDATES,
+    so only those are found (topk), and a row whose candidates hold less than top_p of the mass is
+    fully sorted. Same distribution as warp_probs (tests compare them). `candidates` =
+    logits.topk(C) when the caller has it (the teacher top-k shares it: temperature keeps the order).
+    """
+    temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
+    if sampling.greedy:
+        return logits.argmax(-1)
+    scaled = logits.float() / temperature  # [B, V]
+    V = scaled.shape[-1]
+    if top_k == 0 and top_p >= 1.0:  # plain temperature sampling over every token
+        return inverse_cdf(scaled.softmax(-1), uniforms)
+    count = min(V, top_k if top_k > 0 else NUCLEUS_CANDIDATES)
+    if candidates is None or candidates[0].shape[-1] < count:
+        candidates = logits.topk(count, dim=-1)
+    values, ids = candidates[0][:, :count].float() / temperature, candidates[1][:, :count]  # [B, C], descending
+    # Probabilities under warp_probs: renormalised over the top-k set when top-k is on.
+    log_norm = (values if top_k > 0 else scaled).logsumexp(-1, keepdim=True)
+    probs = (values - log_norm).exp()  # [B, C]
+    if top_p >= 1.0:
+        return _inverse_cdf_by_id(probs, ids, uniforms)
+    short = probs.sum(-1) < top_p  # the nucleus may extend past the candidates
+    out = _inverse_cdf_by_id(_nucleus(probs, top_p), ids, uniforms)
+    if short.any():
+        values_full, ids_full = scaled[short].sort(dim=-1, descending=True)
+        kept = _nucleus((values_full - log_norm[short]).exp(), top_p)
+        out[short] = _inverse_cdf_by_id(kept, ids_full, uniforms[short])
+    return out
+
+
+def _nucleus(sorted_probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zero the tokens outside the top-p nucleus of descending probabilities [B, C]."""
+    return sorted_probs.masked_fill(_outside_nucleus(sorted_probs, top_p), 0.0)
+
+
+def _inverse_cdf_by_id(weights: torch.Tensor, ids: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """weights [B, C] of token ids [B, C] -> the id `inverse_cdf` picks with the tokens in id order [B]."""
+    ids_in_order, order = ids.sort(dim=-1)
+    column = inverse_cdf(weights.gather(-1, order), uniforms)  # [B]
+    return ids_in_order.gather(-1, column[:, None]).squeeze(-1)
+
+
+def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """weights [R, C] (unnormalised, >= 0, a positive total), uniforms [R] in [0, 1) -> column [R]:
+    the first whose cumulative weight exceeds u * total. Every sampler of the project ends here.
+
+    A zero weight adds nothing to the cumulative sum, so its column can never be the first to exceed it.
+    """
+    cdf = weights.double().cumsum(-1)  # [R, C]; float64 so the running sum does not drift
     total = cdf[:, -1:]
-    # u * total can round up to the total itself (u just below 1), past every token. Capping it at
-    # the largest double below the total picks the token where the cumulative sum reaches the
-    # total (one with mass) instead, with no host synchronisation.
-    threshold = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, threshold, right=True).squeeze(-1).reshape(probs.shape[:-1])
+    # u * total can round up to the total itself (u just below 1), past every column. Capping it at
+    # the largest double below the total picks the column where the cumulative sum reaches the
+    # total (one with weight) instead, with no host synchronisation.
+    threshold = torch.minimum(uniforms.to(cdf)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, threshold, right=True).squeeze(-1)

@@ -3,7 +3,7 @@ alpha, tau and mean accepted length all derive from it and from per-position cou
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 @dataclass
@@ -77,24 +77,28 @@ class SpeculativeStats:
         """P(accept at position i | reached position i)."""
         return [a / t if t else 0.0 for a, t in zip(self.position_accepted, self.position_tried)]
 
-    def merge(self, other: "SpeculativeStats") -> "SpeculativeStats":
+    def merge(self, other: SpeculativeStats) -> SpeculativeStats:
+        """The counts of both (same k): every count field added, lists element by element."""
         assert other.k == self.k
-        return SpeculativeStats(
-            k=self.k, proposed=self.proposed + other.proposed, tried=self.tried + other.tried, accepted=self.accepted + other.accepted,
-            emitted=self.emitted + other.emitted, target_forwards=self.target_forwards + other.target_forwards,
-            looked_up=self.looked_up + other.looked_up,
-            looked_up_accepted=self.looked_up_accepted + other.looked_up_accepted,
-            position_tried=[a + b for a, b in zip(self.position_tried, other.position_tried)],
-            position_accepted=[a + b for a, b in zip(self.position_accepted, other.position_accepted)],
-            accept_length_hist=[a + b for a, b in zip(self.accept_length_hist, other.accept_length_hist)])
+        counts = {f.name: _add(getattr(self, f.name), getattr(other, f.name)) for f in fields(self) if f.name != "k"}
+        return SpeculativeStats(k=self.k, **counts)
 
     def to_dict(self) -> dict:
-        return {"k": self.k, "proposed": self.proposed, "tried": self.tried, "accepted": self.accepted,
-                "emitted": self.emitted, "target_forwards": self.target_forwards, "looked_up": self.looked_up,
-                "looked_up_accepted": self.looked_up_accepted, "alpha": self.alpha,
-                "token_acceptance": self.token_acceptance, "tau": self.tau,
-                "per_position_acceptance": self.per_position_acceptance,
-                "accept_length_hist": self.accept_length_hist}
+        """Every field, then the derived figures the reports show."""
+        return {f.name: getattr(self, f.name) for f in fields(self)} | {name: getattr(self, name) for name in REPORTED}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SpeculativeStats:
+        """The inverse of to_dict (derived figures are recomputed, not read)."""
+        return cls(**{f.name: d[f.name] for f in fields(cls)})
+
+
+# Derived figures written next to the counts by to_dict.
+REPORTED = ("alpha", "token_acceptance", "tau", "per_position_acceptance")
+
+
+def _add(a: int | list[int], b: int | list[int]) -> int | list[int]:
+    return [x + y for x, y in zip(a, b)] if isinstance(a, list) else a + b
 
 
 def expected_tau(alpha: float, k: int) -> float:

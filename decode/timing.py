@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 import torch
 
-from decode.runner import ModelRunner
+from decode.runners import Runner
 
 
 def synchronize(device: torch.device) -> None:
@@ -29,7 +29,7 @@ def timed(device: torch.device, out: list):
 DRAFT_RUN = 4
 
 
-def _time_forward(runner: ModelRunner, context_len: int, probe: torch.Tensor, full_vocab: bool = True) -> float:
+def _time_forward(runner: Runner, context_len: int, probe: torch.Tensor, full_vocab: bool = True) -> float:
     times: list[float] = []
     with timed(runner.device, times):
         runner.forward(probe, probe.shape[0], full_vocab)
@@ -37,7 +37,7 @@ def _time_forward(runner: ModelRunner, context_len: int, probe: torch.Tensor, fu
     return times[0]
 
 
-def cost_model(target_runner: ModelRunner, draft_runner: ModelRunner, context: list[int], max_k: int,
+def cost_model(target_runner: Runner, draft_runner: Runner, context: list[int], max_k: int,
                repeats: int = 9) -> dict:
     """Measure c = draft step / target step and r(k) = target forward over k+1 tokens / target step.
 

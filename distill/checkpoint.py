@@ -1,10 +1,13 @@
-"""Checkpoints that are complete or absent, resume, and the final Hugging Face export.
+"""Checkpoints that are complete or absent, and resume.
 
 Layout of a run folder:
+  config.yaml              the resolved config of the latest start or resume (a resume may change only
+                           the settings that bound the run: distill/training/resume.py)
+  metrics.jsonl            one row per logged step (rows past the step a run restarts from are dropped)
   checkpoints/step-N/      accelerate state (model, optimizer, scheduler, RNG of every rank)
                            + train_state.json (step, best α, ...) + COMPLETE (written last)
   checkpoints/.tmp-step-N/ a save in progress; never read, replaced by the next save
-  best/                    HF export of the draft with the best held-out α so far
+  best/                    HF export of the draft with the best held-out α so far (distill/export/)
   final/                   HF export (draft + tokenizer + config.yaml + metrics.json)
 
 A save writes everything into .tmp-step-N, then the main process writes COMPLETE and renames
@@ -14,7 +17,6 @@ tmp folder; the previous step-M stays the latest valid checkpoint.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import re
@@ -88,44 +90,3 @@ def load_checkpoint(accelerator, path: Path) -> TrainState:
     """Restore model, optimizer, scheduler and RNG in place; return the loop's counters."""
     accelerator.load_state(str(path))
     return TrainState(**json.loads((path / STATE_FILE).read_text()))
-
-
-def export_draft(accelerator, model, path: str | Path, tokenizer, extra_files: dict[str, str] | None = None) -> None:
-    """Every rank calls this (the state dict is gathered under ZeRO-3/FSDP); the main process
-    writes an HF folder loadable with AutoModelForCausalLM: weights (LoRA merged), config (with
-    draft_vocab_ids / full_vocab_size for a subset draft), tokenizer and `extra_files`."""
-    state_dict = accelerator.get_state_dict(model)
-    if not accelerator.is_main_process:
-        accelerator.wait_for_everyone()
-        return
-    path = Path(path)
-    tmp = path.with_name(f".tmp-{path.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    unwrapped = accelerator.unwrap_model(model)
-    if hasattr(unwrapped, "merge_and_unload"):  # peft LoRA: merge a copy, the live model keeps training
-        merged = copy.deepcopy(unwrapped).merge_and_unload()
-        merged.save_pretrained(tmp)
-    else:
-        unwrapped.save_pretrained(tmp, state_dict=state_dict)
-    tokenizer.save_pretrained(tmp)
-    for name, text in (extra_files or {}).items():
-        (tmp / name).write_text(text)
-    replace_dir(tmp, path)
-    accelerator.wait_for_everyone()
-
-
-def replace_dir(src: Path, dst: Path) -> None:
-    """Move a finished folder into place (the old one, if any, is removed first)."""
-    if dst.exists():
-        shutil.rmtree(dst)
-    src.rename(dst)
-
-
-def copy_export(src: Path, dst: Path, extra_files: dict[str, str]) -> None:
-    """final/ from best/: copy, add files, rename into place."""
-    tmp = dst.with_name(f".tmp-{dst.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src, tmp)
-    for name, text in extra_files.items():
-        (tmp / name).write_text(text)
-    replace_dir(tmp, dst)

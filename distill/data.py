@@ -1,5 +1,7 @@
 """Training data: generate-data shards -> examples -> deterministic, sharded micro-batches.
 
+Exactly the shards manifest.json lists are read, each verified against it first (sha256, rows).
+
 An example is one prompt + completion. Position t of the model input predicts token t + 1, so
 the completion token j (at sequence index P + j) is predicted at position P + j - 1, and the
 cached teacher row j (the target's top-K for completion token j) lines up with that position.
@@ -16,6 +18,7 @@ DeepSpeed require, and contributes nothing). Every example is used exactly once 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,8 +26,11 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
+from decode.errors import UserError
+from distill.generation.shards import CorruptShardError, verify_shards
 
-class DataError(RuntimeError):
+
+class DataError(UserError):
     """Missing, corrupt or unusable training data (names the shard)."""
 
 
@@ -40,37 +46,32 @@ class Example:
     source: str
 
 
-def shard_paths(data_dir: str | Path) -> list[Path]:
+def manifest_shards(data_dir: str | Path) -> list[Path]:
+    """The shards data_dir/manifest.json lists, each checked against it (sha256, row count) with
+    generate-data's own checks. Only these are read: a *.parquet file the manifest does not list
+    (a stray copy would add its rows twice) is named in a warning and skipped."""
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
         raise DataError(f"data dir {str(data_dir)!r} does not exist; run `make generate-data` first")
-    paths = sorted(data_dir.glob("*.parquet"))
+    try:
+        paths = verify_shards(data_dir)
+    except CorruptShardError as e:
+        raise DataError(str(e)) from e
     if not paths:
-        raise DataError(f"no *.parquet shards in {str(data_dir)!r}")
+        raise DataError(f"the manifest in {str(data_dir)!r} lists no shards")
+    extra = sorted(set(data_dir.glob("*.parquet")) - set(paths))
+    if extra:
+        warnings.warn(f"{data_dir}: not reading {[p.name for p in extra]}: manifest.json does not list them")
     return paths
 
 
-def _verify(data_dir: Path) -> None:
-    """The generator's own integrity check (manifest sha256 and row counts vs shards), raising
-    with the bad shard's name. Looked up in distill.generate, then its shard module."""
-    import importlib
-
-    for module in ("distill.generate", "distill.gen_shards"):
-        try:
-            verify_shards = getattr(importlib.import_module(module), "verify_shards")
-        except (ImportError, AttributeError):
-            continue
-        verify_shards(data_dir)
-        return
-
-
 def read_rows(data_dirs: list[str], need_topk: bool) -> list[dict]:
-    """All rows of all shards, as python dicts. A shard that cannot be read is an error, never skipped."""
+    """All rows of the manifest-listed shards, as python dicts. A shard that cannot be read is an
+    error, never skipped."""
     columns = ["prompt_ids", "completion_ids", "split", "source"]
     rows = []
     for data_dir in data_dirs:
-        _verify(Path(data_dir))
-        for path in shard_paths(data_dir):
+        for path in manifest_shards(data_dir):
             try:
                 table = pq.read_table(path)
             except (OSError, ValueError) as e:  # pyarrow raises ArrowInvalid (a ValueError) / OSError

@@ -1,5 +1,5 @@
 """Build the draft: from scratch in the target's family, sized by a parameter ratio, or from a
-pretrained model sharing the tokenizer (optionally LoRA). Also the vocabulary-subset mapping.
+pretrained model sharing the tokenizer (optionally LoRA). Also the choice of a vocabulary subset.
 
 Shape search (scratch): depth is fixed (shallow: 2 layers by default, since a draft step's
 latency grows with depth, not width); the hidden size is the candidate whose parameter count
@@ -12,8 +12,8 @@ vocabulary subset (e.g. 8,192 tokens) buys width.
 Vocabulary subset (vocab_subset = N): the N most frequent tokens of the training data (special
 tokens always in). Embedding and tied head have N + 1 rows; row N ("other") stands for every
 token outside the subset on input, and its output logit is the mass outside the subset during
-training (decode/runner.py ignores it, so the draft gives probability 0 outside the subset).
-config.draft_vocab_ids lists the N full-vocabulary ids (row i <-> id draft_vocab_ids[i]).
+training (the decoder ignores it, so the draft gives probability 0 outside the subset). The
+row <-> id map is a decode.vocab.VocabSubset, written into the draft's HF config by its `write_to`.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from decode.models import param_count
+from decode.vocab import VocabSubset
 
 
 @dataclass
@@ -38,25 +39,6 @@ class DraftShape:
     vocab_rows: int
     params: int
     ratio: float
-
-
-class VocabMap:
-    """Full-vocabulary ids <-> draft rows for a subset draft."""
-
-    def __init__(self, ids: list[int], full_vocab_size: int):
-        self.ids = torch.tensor(ids, dtype=torch.long)  # [N] full id of row i
-        self.other_row = len(ids)
-        self.full_vocab_size = full_vocab_size
-        # Input side: full id -> row, every id outside the subset -> the "other" row N.
-        self.input_rows = torch.full((full_vocab_size,), self.other_row, dtype=torch.long)
-        self.input_rows[self.ids] = torch.arange(len(ids))
-        # Output side: full id -> row, -1 where the draft cannot emit the token.
-        self.output_rows = torch.where(self.input_rows == self.other_row, -1, self.input_rows)
-
-    @classmethod
-    def of(cls, model) -> "VocabMap | None":
-        ids = getattr(model.config, "draft_vocab_ids", None)
-        return cls(list(ids), int(model.config.full_vocab_size)) if ids else None
 
 
 def select_vocab(token_counts: torch.Tensor, size: int, always: list[int]) -> list[int]:
@@ -159,19 +141,21 @@ def project_embeddings(target_embed: torch.Tensor, width: int, rows: torch.Tenso
     return torch.cat([out, other])
 
 
-def build_scratch_draft(target, param_ratio: float, num_layers: int, vocab_ids: list[int] | None,
+def build_scratch_draft(target, param_ratio: float, num_layers: int, subset: VocabSubset | None,
                         embed_init: str, seed: int) -> tuple[LlamaForCausalLM, DraftShape]:
-    """A fresh Llama draft sized to the target. vocab_ids: subset of full ids, or None (full vocabulary)."""
+    """A fresh Llama draft sized to the target. subset: the tokens it emits (on the CPU), or None
+    for the target's full vocabulary."""
     full_vocab = target.get_input_embeddings().weight.shape[0]
-    vocab_rows = len(vocab_ids) + 1 if vocab_ids else full_vocab
+    if subset is not None and subset.full_vocab_size != full_vocab:
+        raise ValueError(f"the subset maps into {subset.full_vocab_size} ids, the target has {full_vocab}")
+    vocab_rows = subset.size + 1 if subset is not None else full_vocab
     config, shape = choose_shape(target.config, param_count(target), param_ratio, num_layers, vocab_rows)
-    if vocab_ids:
-        config.draft_vocab_ids = list(vocab_ids)
-        config.full_vocab_size = full_vocab
+    if subset is not None:
+        subset.write_to(config)
     torch.manual_seed(seed)
     draft = LlamaForCausalLM(config)
     if embed_init == "target":
-        rows = torch.tensor(vocab_ids) if vocab_ids else None
+        rows = subset.ids if subset is not None else None
         generator = torch.Generator().manual_seed(seed)
         weight = project_embeddings(target.get_input_embeddings().weight, config.hidden_size, rows,
                                     config.initializer_range, generator)
@@ -196,10 +180,3 @@ def build_pretrained_draft(ref: str, lora_rank: int, seed: int):
         draft = get_peft_model(draft, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0,
                                                  target_modules=LORA_TARGETS))
     return draft
-
-
-def mergeable(model):
-    """The plain HF model to export: LoRA adapters merged into the base weights."""
-    if hasattr(model, "merge_and_unload"):
-        return model.merge_and_unload()
-    return model

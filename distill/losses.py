@@ -113,26 +113,24 @@ def temper(logp: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 def mixed_loss(weights: dict[str, float], draft_logp, target_logp, draft_logits, labels, mask,
-               jsd_beta: float = 0.5, temperature: float = 1.0):
-    """Σ_name weight · loss_name; returns (sum, count, {name: sum}) for logging.
+               jsd_beta: float = 0.5, temperature: float = 1.0) -> torch.Tensor:
+    """Σ_name weight · loss_name, summed over the masked positions (the caller divides by the
+    global token count).
 
     The divergences see the tempered bucket distributions; CE sees the raw draft logits."""
     d, t = temper(draft_logp, temperature), temper(target_logp, temperature)
     total = draft_logp.new_zeros((), dtype=torch.float32)
-    parts = {}
-    count = mask.float().sum()
     for name, weight in weights.items():
         if weight == 0:
             continue
         if name == "ce":
-            part, count = cross_entropy(draft_logits, labels, mask)
+            part, _ = cross_entropy(draft_logits, labels, mask)
         elif name == "jsd":
-            part, count = jsd(d, t, mask, jsd_beta)
+            part, _ = jsd(d, t, mask, jsd_beta)
         else:
-            part, count = DIVERGENCES[name](d, t, mask)
-        parts[name] = part.detach()
+            part, _ = DIVERGENCES[name](d, t, mask)
         total = total + weight * part
-    return total, count, parts
+    return total
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""`make distill`: train a small draft to imitate the target. Reads top to bottom:
-setup -> loop (train step, eval, save) -> final export.
+"""`make distill`: train a small draft to imitate the target. The recipe reads top to bottom:
+setup (data, draft, teacher, optimizer, resume) -> loop (train step, maybe evaluate, maybe save)
+-> final export (distill/export/).
 
   python -m distill.train --config configs/tiny.yaml distill.max_steps=20
   torchrun --standalone --nproc_per_node 2 -m distill.train --config ...           CPU: gloo, DDP
@@ -18,99 +19,359 @@ import json
 import math
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import yaml
 
-from decode.config import ConfigError, cli_config, config_to_dict
-from decode.models import load_model, load_tokenizer, param_count, resolve_device
-from decode.stats import expected_tau
-from distill.checkpoint import (TrainState, copy_export, export_draft, latest_checkpoint, load_checkpoint,
-                                save_checkpoint)
+from decode.cli import cli_config, run_cli
+from decode.config import config_to_dict
+from decode.models import check_tokenizers, load_model, load_tokenizer, param_count
+from decode.vocab import VocabSubset
+from distill.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 from distill.data import StepSampler, collate, load_examples, token_counts
-from distill.draft import VocabMap, build_pretrained_draft, build_scratch_draft, select_vocab
-from distill.losses import kl_per_token, acceptance, mixed_loss
-from distill.train_logging import RunLogger
-from distill.train_teacher import Teacher, keep_positions
+from distill.draft import build_pretrained_draft, build_scratch_draft, select_vocab
+from distill.export.hf import copy_hf, export_hf
+from distill.losses import kl_per_token, mixed_loss
+from distill.training.accelerator import make_accelerator
+from distill.training.evaluate import evaluate
+from distill.training.optimizer import make_optimizer
+from distill.training.resume import check_resumable
+from distill.training.run_log import RunLogger
+from distill.training.teacher import Teacher, draft_logits
 
 
 class NonFiniteError(RuntimeError):
     """More non-finite steps than distill.max_bad_steps allows."""
 
 
-def check_distill_config(config) -> None:
-    dc = config.distill
-    problems = []
-    if dc.init == "scratch" and dc.lora_rank > 0:
-        problems.append("distill.lora_rank > 0 needs a pretrained distill.init (LoRA on a random draft is pointless)")
-    if dc.init != "scratch" and dc.vocab_subset:
-        problems.append("distill.vocab_subset works with init=scratch only (a pretrained head has the full vocabulary)")
-    if not 0 < dc.jsd_beta < 1:
-        problems.append(f"distill.jsd_beta={dc.jsd_beta} must be in (0, 1)")
-    if dc.kd_temperature <= 0:
-        problems.append(f"distill.kd_temperature={dc.kd_temperature} must be > 0")
-    if any(w < 0 for w in dc.loss.values()) or not any(w > 0 for w in dc.loss.values()):
-        problems.append(f"distill.loss={dc.loss}: weights must be >= 0 with at least one > 0")
-    for name in ("micro_batch_size", "grad_accum", "max_steps", "max_seq_len", "tau_k"):
-        if getattr(dc, name) < 1:
-            problems.append(f"distill.{name} must be >= 1")
-    if dc.precision not in ("auto", "fp32", "bf16"):
-        problems.append(f"distill.precision={dc.precision!r}; use 'auto', 'fp32' or 'bf16'")
-    if dc.embed_init not in ("target", "random"):
-        problems.append(f"distill.embed_init={dc.embed_init!r}; use 'target' or 'random'")
-    if dc.deepspeed_config and not Path(dc.deepspeed_config).is_file():
-        problems.append(f"distill.deepspeed_config: {dc.deepspeed_config!r} does not exist")
-    if problems:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+@dataclass
+class StepResult:
+    loss: float
+    """Σ loss over the step's completion tokens / their global count."""
+    kl: float
+    """True KL(target ‖ draft) per token on the training support (logged: the loss may mix in CE)."""
+    tokens: int
+    grad_norm: float
+    bad: tuple[int, list[int]] | None = None
+    """(micro-batch, its example indices on this rank) when a non-finite value stopped the step."""
 
 
-def make_accelerator(config):
-    """CPU: fp32, gloo under torchrun. GPU: bf16 autocast. DeepSpeed from a JSON whose "auto"
-    entries are filled from the distill config."""
-    from accelerate import Accelerator
+class DistillRecipe:
+    """One run in out_dir. `setup()` builds everything (resuming from the latest checkpoint when
+    there is one), `train()` runs the loop and the final export and returns the summary."""
 
-    dc = config.distill
-    on_cpu = resolve_device(config.device).type == "cpu"
-    bf16 = dc.precision == "bf16" or (dc.precision == "auto" and not on_cpu)
-    kwargs = {}
-    if dc.deepspeed_config:
-        from accelerate.utils import DeepSpeedPlugin
+    def __init__(self, config):
+        init = [] if config.distill.init == "scratch" else ["distill.init"]
+        config.check_model_refs("target", *init)  # a mistyped path fails before any heavy work
+        self.config, self.dc = config, config.distill
+        self.accelerator = make_accelerator(config)
+        from accelerate.utils import set_seed
 
-        ds = json.loads(Path(dc.deepspeed_config).read_text())
-        for key, value in (("train_micro_batch_size_per_gpu", dc.micro_batch_size),
-                           ("gradient_accumulation_steps", dc.grad_accum), ("gradient_clipping", dc.grad_clip)):
-            if ds.get(key, "auto") == "auto":
-                ds[key] = value
-        ds.pop("train_batch_size", None)  # derived by DeepSpeed from the two above and the world size
-        ds.setdefault("bf16", {})["enabled"] = bf16
-        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=ds)
-        if on_cpu:
-            # Accelerate runs DeepSpeed only with cpu=False; naming gloo makes it work on CPUs (tests).
-            from accelerate.utils import InitProcessGroupKwargs
+        set_seed(config.seed)
+        self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
+        self.is_main, self.device = self.accelerator.is_main_process, self.accelerator.device
+        self.out_dir = Path(self.dc.out_dir)
+        self.stop_requested = False
+        self.last_eval_step = -1
 
-            kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
-    return Accelerator(cpu=on_cpu and not dc.deepspeed_config, mixed_precision="bf16" if bf16 else "no",
-                       gradient_accumulation_steps=dc.grad_accum, **kwargs)
+    def say(self, text: str) -> None:
+        if self.is_main:
+            print(text)
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        resume_from = latest_checkpoint(self.out_dir) if self.dc.resume else None
+        if resume_from is not None:  # before any model loads: a refused resume fails fast
+            check_resumable(self.config, self.out_dir, resume_from)
+        self.setup_data()
+        target = load_model(self.config.target)  # fp32 on CPU: sizing, embedding init, and the online teacher
+        self.setup_draft(target)
+        self.setup_teacher(target)
+        self.setup_optimizer()
+        self.state = TrainState()
+        if resume_from is not None:
+            self.state = load_checkpoint(self.accelerator, resume_from)
+            self.say(f"resumed from {resume_from} (step {self.state.step}, "
+                     f"epoch {self.state.step // self.sampler.steps_per_epoch})")
+        if self.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            (self.out_dir / "config.yaml").write_text(self.config_yaml())
+        self.logger = RunLogger(self.config, self.out_dir, self.is_main, self.state.step)
+        signal.signal(signal.SIGTERM, self.request_stop)
+
+    def setup_data(self) -> None:
+        dc = self.dc
+        self.train_set, eval_set = load_examples(dc.data_dirs, dc.max_seq_len, need_topk=dc.teacher == "cached",
+                                                 sources=dc.sources)
+        self.eval_set = eval_set[: dc.eval_samples]
+        self.tokenizer = load_tokenizer(self.config.target)
+        self.say(f"data: {len(self.train_set)} train / {len(self.eval_set)} eval examples from {dc.data_dirs}")
+        self.sampler = StepSampler(len(self.train_set), dc.micro_batch_size, dc.grad_accum, self.world,
+                                   self.config.seed)
+
+    def setup_draft(self, target) -> None:
+        dc = self.dc
+        if dc.init == "scratch":
+            subset = self.choose_subset(target) if dc.vocab_subset else None
+            self.draft, shape = build_scratch_draft(target, dc.param_ratio, dc.num_layers, subset, dc.embed_init,
+                                                    self.config.seed)
+            self.say(f"draft: {shape.num_layers} layers, hidden {shape.hidden_size}, mlp {shape.intermediate_size}, "
+                     f"heads {shape.num_attention_heads}/{shape.num_key_value_heads} x {shape.head_dim}, "
+                     f"{shape.vocab_rows} vocab rows -> {shape.params / 1e6:.2f}M params "
+                     f"= {shape.ratio:.2%} of the target's {param_count(target) / 1e6:.1f}M")
+        else:
+            check_tokenizers(self.tokenizer, load_tokenizer(dc.init))
+            self.draft = build_pretrained_draft(dc.init, dc.lora_rank, self.config.seed)
+            trainable = sum(p.numel() for p in self.draft.parameters() if p.requires_grad)
+            self.say(f"draft: {dc.init} ({param_count(self.draft) / 1e6:.2f}M params, "
+                     f"{trainable / 1e6:.2f}M trainable)")
+
+    def choose_subset(self, target) -> VocabSubset:
+        """The distill.vocab_subset most frequent tokens of the training data, special tokens included."""
+        full_vocab = target.get_input_embeddings().weight.shape[0]
+        special = [i for i in self.tokenizer.all_special_ids if i < full_vocab]
+        ids = select_vocab(token_counts(self.train_set, full_vocab), self.dc.vocab_subset,
+                           special + [target.config.eos_token_id])
+        subset = VocabSubset(ids, full_vocab)
+        held = [t for ex in self.eval_set for t in ex.ids[ex.n_prompt:].tolist()]
+        if held:
+            covered = float((subset.output_rows[torch.tensor(held)] >= 0).float().mean())
+            self.say(f"vocab subset: {subset.size} tokens cover {covered:.1%} of held-out completion tokens")
+        return subset
+
+    def setup_teacher(self, target) -> None:
+        teacher_model = None
+        if self.dc.teacher == "online":
+            dtype = torch.bfloat16 if self.accelerator.mixed_precision == "bf16" else torch.float32
+            teacher_model = target.to(self.device, dtype)
+        self.teacher = Teacher(self.dc.teacher, VocabSubset.of(self.draft, self.device), teacher_model)
+
+    def setup_optimizer(self) -> None:
+        optimizer, self.scheduler = make_optimizer(self.draft, self.dc)
+        self.model, self.optimizer = self.accelerator.prepare(self.draft, optimizer)
+        # The scheduler stays unwrapped (stepped once per optimizer step) but is saved with the state.
+        self.accelerator.register_for_checkpointing(self.scheduler)
+        self.use_deepspeed = self.accelerator.distributed_type.name == "DEEPSPEED"
+        self.say(f"batch: {self.dc.micro_batch_size} x {self.dc.grad_accum} accum x {self.world} ranks = "
+                 f"{self.sampler.global_batch} examples/step, {self.sampler.steps_per_epoch} steps/epoch")
+
+    def request_stop(self, *_) -> None:
+        """SIGTERM: finish the current step, save, exit cleanly."""
+        self.stop_requested = True
+
+    # ------------------------------------------------------------------ the loop
+    def train(self) -> dict:
+        """Step, maybe evaluate, maybe save, until max_steps or a stop; then the final export."""
+        self.model.train()
+        t_start, elapsed_before = time.monotonic(), self.state.elapsed_s
+        steps_here, stop_reason = 0, None
+        while stop_reason is None and self.state.step < self.dc.max_steps:
+            self.state.step += 1
+            steps_here += 1
+            t0 = time.monotonic()
+            result = self.train_step()
+            self.state.elapsed_s = elapsed_before + time.monotonic() - t_start
+            self.log_step(result, time.monotonic() - t0)
+            early_stop = self.maybe_evaluate()
+            interrupt = self.agreed_stop(steps_here)  # a collective: every rank calls it every step
+            stop_reason = early_stop or interrupt
+            self.maybe_save(stop_reason)
+        if stop_reason == "interrupted":  # resume later from the checkpoint just saved
+            self.logger.finish({})
+            return {"step": self.state.step, "stopped": stop_reason}
+        return self.finish(stop_reason or "max_steps")
+
+    def train_step(self) -> StepResult:
+        """Forward/backward over this rank's micro-batches of the step, then one optimizer step
+        unless any rank saw a non-finite teacher value or loss (then nothing reaches the optimizer)."""
+        micro = self.sampler.micro_batches(self.state.step - 1, self.rank)  # the sampler counts from 0
+        batches = [self.batch_on_device(indices, self.train_set) for indices in micro]
+        tokens = torch.tensor(float(sum(int(b["loss_mask"].sum()) for b in batches)), device=self.device)
+        global_tokens = self.accelerator.reduce(tokens, "sum")  # before any backward
+        # DDP/DeepSpeed average gradients over ranks and accelerate divides by grad_accum:
+        # multiplying by both leaves Σ_tokens ∇loss / global_tokens.
+        scale = self.world * self.dc.grad_accum / global_tokens.clamp(min=1)
+        sums = torch.zeros(3, device=self.device)  # [loss, true KL, tokens] for logging
+        bad = None
+        for a, batch in enumerate(batches):
+            with self.accelerator.accumulate(self.model):
+                if bad is not None:
+                    self.skip_micro_batch()
+                    continue
+                loss_sum, draft_logp, target_logp, finite = self.micro_batch_loss(batch)
+                if self.accelerator.reduce(torch.tensor(0.0 if finite else 1.0, device=self.device), "sum") > 0:
+                    bad = (a, micro[a])
+                    self.skip_micro_batch()
+                    continue
+                self.accelerator.backward(loss_sum * scale)
+                with torch.no_grad():
+                    sums += torch.stack([loss_sum.detach(), kl_per_token(target_logp, draft_logp).sum(),
+                                         torch.tensor(float(draft_logp.shape[0]), device=self.device)])
+        grad_norm, bad = self.optimizer_step(bad, micro)
+        sums = self.accelerator.reduce(sums, "sum")
+        return StepResult(loss=float(sums[0] / global_tokens.clamp(min=1)), kl=float(sums[1] / sums[2].clamp(min=1)),
+                          tokens=int(global_tokens), grad_norm=grad_norm, bad=bad)
+
+    def micro_batch_loss(self, batch: dict):
+        """(Σ loss, draft_logp, target_logp, finite) for one micro-batch; the loss mixes the
+        distill.loss terms at distill.kd_temperature on the teacher's support."""
+        logits = draft_logits(self.model, batch, self.teacher.subset)
+        target = self.teacher.targets(batch)
+        draft_logp, target_logp = self.teacher.buckets(logits, target)
+        labels = batch["labels"][batch["loss_mask"]]
+        if self.teacher.subset is not None:
+            labels = self.teacher.subset.rows(labels)  # tokens outside the subset train the "other" row
+        mask = torch.ones_like(labels, dtype=torch.bool)
+        loss_sum = mixed_loss(self.dc.loss, draft_logp, target_logp, logits, labels, mask, self.dc.jsd_beta,
+                              self.dc.kd_temperature)
+        return loss_sum, draft_logp, target_logp, target.finite() and bool(torch.isfinite(loss_sum))
+
+    def skip_micro_batch(self) -> None:
+        """A micro-batch of a bad step: nothing, except under DeepSpeed, which steps inside
+        backward and must see every micro-batch: it gets a zero gradient."""
+        if self.use_deepspeed:
+            dummy = self.batch_on_device([], self.train_set)
+            self.accelerator.backward(0.0 * draft_logits(self.model, dummy, self.teacher.subset).sum())
+
+    def optimizer_step(self, bad, micro: list[list[int]]):
+        """Clip and step unless the step is bad (a non-finite gradient norm makes it bad too);
+        returns (grad_norm, bad)."""
+        grad_norm = None
+        if bad is None and not self.use_deepspeed:
+            grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.dc.grad_clip)
+            if not torch.isfinite(grad_norm):
+                bad = (self.dc.grad_accum - 1, micro[-1])
+        if bad is None or self.use_deepspeed:
+            self.optimizer.step()  # DeepSpeed: already stepped inside backward; this is a no-op
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm) if grad_norm is not None else float("nan"), bad
+
+    def batch_on_device(self, indices: list[int], examples) -> dict:
+        batch = collate([examples[i] for i in indices], self.tokenizer.pad_token_id or 0,
+                        self.dc.teacher == "cached")
+        return {k: v.to(self.device) for k, v in batch.items()}
+
+    def log_step(self, result: StepResult, seconds: float) -> None:
+        step = self.state.step
+        if result.bad is not None:
+            self.state.bad_steps += 1
+            a, indices = result.bad
+            message = (f"step {step} (epoch {(step - 1) // self.sampler.steps_per_epoch}): non-finite teacher "
+                       f"values or loss in micro-batch {a} (train examples {indices} on rank {self.rank}); "
+                       f"optimizer not stepped ({self.state.bad_steps}/{self.dc.max_bad_steps} bad steps allowed)")
+            print(message, flush=True)
+            if self.state.bad_steps > self.dc.max_bad_steps:
+                raise NonFiniteError(message)
+        else:
+            tokens_per_s = result.tokens / max(1e-9, seconds)
+            self.logger.log(step, {"train/loss": result.loss, "train/kl": result.kl,
+                                   "train/lr": self.scheduler.get_last_lr()[0], "train/grad_norm": result.grad_norm,
+                                   "train/tokens_per_s": tokens_per_s},
+                            show={"loss": result.loss, "kl": result.kl, "tok/s": tokens_per_s})
+        self.logger.advance()
+
+    # ------------------------------------------------------------------ evaluate, stop, save
+    def maybe_evaluate(self) -> str | None:
+        """Evaluate every distill.eval_every steps; the early-stop reason, if that fires."""
+        if not (self.eval_set and self.dc.eval_every > 0 and self.state.step % self.dc.eval_every == 0):
+            return None
+        self.run_eval()
+        patience = self.dc.early_stop_patience
+        if patience and self.state.evals_since_best >= patience:
+            return f"early stop: α has not improved for {self.state.evals_since_best} evaluations"
+        return None
+
+    def run_eval(self) -> dict:
+        """Held-out metrics, logged; a new best α is exported to best/."""
+        metrics = evaluate(self.model, self.teacher, self.eval_batches(), self.accelerator, self.dc.tau_k)
+        state = self.state
+        if metrics["eval/alpha"] > state.best_alpha:
+            state.best_alpha, state.best_step, state.evals_since_best = metrics["eval/alpha"], state.step, 0
+            self.export(self.out_dir / "best", {"step": state.step, **metrics})
+        else:
+            state.evals_since_best += 1
+        self.logger.log(state.step, metrics)
+        self.logger.message(f"step {state.step}: " + ", ".join(f"{k[5:]} {v:.4g}" for k, v in metrics.items()))
+        self.last_eval_step = state.step
+        return metrics
+
+    def eval_batches(self):
+        """This rank's share of the held-out set, in the same number of batches on every rank."""
+        mine = list(range(self.rank, len(self.eval_set), self.world))
+        size = self.dc.micro_batch_size
+        for a in range(math.ceil(math.ceil(len(self.eval_set) / self.world) / size)):
+            yield self.batch_on_device(mine[a * size:(a + 1) * size], self.eval_set)
+
+    def agreed_stop(self, steps_here: int) -> str | None:
+        """SIGTERM, distill.stop_after or max_minutes on any rank stops every rank at this step
+        boundary (a signal may reach only one of them)."""
+        dc = self.dc
+        local = self.stop_requested or (dc.stop_after and steps_here >= dc.stop_after) or (
+            dc.max_minutes and self.state.elapsed_s >= 60 * dc.max_minutes)
+        if self.accelerator.reduce(torch.tensor(float(bool(local)), device=self.device), "sum") == 0:
+            return None
+        return "interrupted" if self.stop_requested or dc.stop_after else "max_minutes reached"
+
+    def maybe_save(self, stop_reason: str | None) -> None:
+        dc, step = self.dc, self.state.step
+        if stop_reason or (dc.save_every > 0 and step % dc.save_every == 0) or step == dc.max_steps:
+            save_checkpoint(self.accelerator, self.out_dir, self.state, dc.keep_checkpoints)
+        if stop_reason:
+            self.logger.message(f"step {step}: {stop_reason}; checkpoint saved")
+
+    # ------------------------------------------------------------------ export
+    def config_yaml(self) -> str:
+        return yaml.safe_dump(config_to_dict(self.config), sort_keys=False)
+
+    def export(self, path: Path, metrics: dict) -> None:
+        """Every rank calls this (the state dict is gathered under ZeRO-3/FSDP); the main process
+        writes the HF folder with the run's config.yaml and `metrics` as metrics.json."""
+        state_dict = self.accelerator.get_state_dict(self.model)
+        if self.is_main:
+            export_hf(self.accelerator.unwrap_model(self.model), self.tokenizer, path,
+                      {"config.yaml": self.config_yaml(), "metrics.json": json.dumps(metrics, indent=1)}, state_dict)
+        self.accelerator.wait_for_everyone()
+
+    def finish(self, stopped: str) -> dict:
+        """A last evaluation, then final/: the best draft (best/ plus the summary) when there was
+        a held-out set, else the last one."""
+        if self.eval_set and self.last_eval_step != self.state.step:
+            self.run_eval()
+        summary = self.summary(stopped)
+        best = self.out_dir / "best"
+        self.accelerator.wait_for_everyone()
+        if self.eval_set and best.is_dir():
+            if self.is_main:
+                copy_hf(best, self.out_dir / "final", {"metrics.json": json.dumps(summary, indent=1)})
+        else:
+            self.export(self.out_dir / "final", summary)
+        self.accelerator.wait_for_everyone()
+        if self.is_main:
+            (self.out_dir / "final_metrics.json").write_text(json.dumps(summary, indent=1))
+            self.say(json.dumps(summary))
+        self.logger.finish(summary)
+        return summary
+
+    def summary(self, stopped: str) -> dict:
+        dc, state = self.dc, self.state
+        summary = {"step": state.step, "best_step": state.best_step, "stopped": stopped,
+                   "bad_steps": state.bad_steps, "elapsed_s": round(state.elapsed_s, 1), "teacher": dc.teacher,
+                   "alpha_note": "cached teacher: α summed over the stored top-K tokens (lower bound)"
+                   if dc.teacher == "cached" else "online teacher: exact α over the full vocabulary"}
+        best = self.out_dir / "best"
+        if self.is_main and self.eval_set and best.is_dir():
+            best_metrics = json.loads((best / "metrics.json").read_text())
+            summary.update({k.replace("eval/", "final/"): v for k, v in best_metrics.items() if k.startswith("eval/")})
+        return summary
 
 
-def lr_lambda(dc):
-    """Linear warmup over warmup_steps, then cosine decay to 10% of lr at max_steps (nanoGPT)."""
-    def factor(step: int) -> float:
-        if step < dc.warmup_steps:
-            return (step + 1) / dc.warmup_steps
-        progress = min(1.0, (step - dc.warmup_steps) / max(1, dc.max_steps - dc.warmup_steps))
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-    return factor
-
-
-def draft_logits(model, batch: dict, vocab_map: VocabMap | None) -> torch.Tensor:
-    """Draft logits at the loss positions, fp32 [N, V_draft]; the head runs only from the first
-    completion position on."""
-    ids = batch["input_ids"] if vocab_map is None else vocab_map.input_rows[batch["input_ids"]]
-    keep = keep_positions(batch)
-    logits = model(input_ids=ids, attention_mask=batch["attention_mask"], logits_to_keep=keep).logits
-    return logits[batch["loss_mask"][:, keep]].float()  # [N, V_draft]
+def train(config) -> dict:
+    recipe = DistillRecipe(config)
+    recipe.setup()
+    return recipe.train()
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -122,262 +383,5 @@ def main(argv: list[str] | None = None) -> dict:
         signal.signal(signal.SIGTERM, previous)
 
 
-def train(config) -> dict:
-    # ------------------------------------------------------------------ setup
-    dc = config.distill
-    check_distill_config(config)
-    accelerator = make_accelerator(config)
-    from accelerate.utils import set_seed
-
-    set_seed(config.seed)
-    rank, world, is_main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
-    out_dir = Path(dc.out_dir)
-    say = print if is_main else (lambda *a, **k: None)
-
-    train_set, eval_set = load_examples(dc.data_dirs, dc.max_seq_len, need_topk=dc.teacher == "cached",
-                                         sources=dc.sources)
-    eval_set = eval_set[: dc.eval_samples]
-    tokenizer = load_tokenizer(config.target)
-    target = load_model(config.target)  # fp32 on CPU: sizing, embedding init, and the online teacher
-    full_vocab = target.get_input_embeddings().weight.shape[0]
-    say(f"data: {len(train_set)} train / {len(eval_set)} eval examples from {dc.data_dirs}")
-
-    if dc.init == "scratch":
-        vocab_ids = None
-        if dc.vocab_subset:
-            special = [i for i in tokenizer.all_special_ids if i < full_vocab]
-            vocab_ids = select_vocab(token_counts(train_set, full_vocab), dc.vocab_subset,
-                                     special + [target.config.eos_token_id])
-            covered = VocabMap(vocab_ids, full_vocab).output_rows
-            held = [t for ex in eval_set for t in ex.ids[ex.n_prompt:].tolist()]
-            if held:
-                say(f"vocab subset: {len(vocab_ids)} tokens cover "
-                    f"{float((covered[torch.tensor(held)] >= 0).float().mean()):.1%} of held-out completion tokens")
-        draft, shape = build_scratch_draft(target, dc.param_ratio, dc.num_layers, vocab_ids, dc.embed_init, config.seed)
-        say(f"draft: {shape.num_layers} layers, hidden {shape.hidden_size}, mlp {shape.intermediate_size}, "
-            f"heads {shape.num_attention_heads}/{shape.num_key_value_heads} x {shape.head_dim}, "
-            f"{shape.vocab_rows} vocab rows -> {shape.params / 1e6:.2f}M params "
-            f"= {shape.ratio:.2%} of the target's {param_count(target) / 1e6:.1f}M")
-        draft.config.draft_ratio = shape.ratio
-    else:
-        from decode.models import check_tokenizers
-
-        check_tokenizers(tokenizer, load_tokenizer(dc.init))
-        draft = build_pretrained_draft(dc.init, dc.lora_rank, config.seed)
-        say(f"draft: {dc.init} ({param_count(draft) / 1e6:.2f}M params, "
-            f"{sum(p.numel() for p in draft.parameters() if p.requires_grad) / 1e6:.2f}M trainable)")
-    vocab_map = VocabMap.of(draft)
-    teacher_model = None
-    if dc.teacher == "online":
-        dtype = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
-        teacher_model = target.to(accelerator.device, dtype)
-    del target
-    teacher = Teacher(dc.teacher, vocab_map, teacher_model).to(accelerator.device)
-
-    trainable = [p for p in draft.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=dc.lr, weight_decay=dc.weight_decay, betas=(0.9, 0.95))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(dc))
-    model, optimizer = accelerator.prepare(draft, optimizer)
-    # The scheduler stays unwrapped (stepped once per optimizer step) but is saved with the state.
-    accelerator.register_for_checkpointing(scheduler)
-    use_deepspeed = accelerator.distributed_type.name == "DEEPSPEED"
-
-    sampler = StepSampler(len(train_set), dc.micro_batch_size, dc.grad_accum, world, config.seed)
-    say(f"batch: {dc.micro_batch_size} x {dc.grad_accum} accum x {world} ranks = {sampler.global_batch} "
-        f"examples/step, {sampler.steps_per_epoch} steps/epoch")
-    state = TrainState()
-    resume_from = latest_checkpoint(out_dir) if dc.resume else None
-    if resume_from is not None:
-        state = load_checkpoint(accelerator, resume_from)
-        say(f"resumed from {resume_from} (step {state.step}, epoch {state.step // sampler.steps_per_epoch})")
-    if is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
-    logger = RunLogger(config, out_dir, is_main, state.step)
-
-    stop_requested = {"signal": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop_requested.update(signal=True))
-    with_topk = dc.teacher == "cached"
-    device = accelerator.device
-
-    def batch_on_device(indices: list[int], examples) -> dict:
-        batch = collate([examples[i] for i in indices], tokenizer.pad_token_id or 0, with_topk)
-        return {k: v.to(device) for k, v in batch.items()}
-
-    # ------------------------------------------------------------------ one optimizer step
-    def train_step(step: int) -> dict:
-        """Forward/backward over this rank's micro-batches, then one optimizer step unless any
-        rank saw a non-finite teacher value or loss (then nothing reaches the optimizer)."""
-        micro = sampler.micro_batches(step, rank)
-        batches = [batch_on_device(indices, train_set) for indices in micro]
-        tokens = torch.tensor(float(sum(int(b["loss_mask"].sum()) for b in batches)), device=device)
-        global_tokens = accelerator.reduce(tokens, "sum")  # before any backward
-        # DDP/DeepSpeed average gradients over ranks and accelerate divides by grad_accum:
-        # multiplying by both leaves Σ_tokens ∇loss / global_tokens.
-        scale = world * dc.grad_accum / global_tokens.clamp(min=1)
-        sums = torch.zeros(3, device=device)  # [loss, true KL, tokens] for logging
-        bad = None
-        for a, batch in enumerate(batches):
-            with accelerator.accumulate(model):
-                if bad is not None and not use_deepspeed:
-                    continue
-                if bad is not None:  # DeepSpeed steps inside backward: feed it a zero gradient
-                    accelerator.backward(0.0 * draft_logits(model, batch_on_device([], train_set), vocab_map).sum())
-                    continue
-                logits = draft_logits(model, batch, vocab_map)
-                target = teacher.targets(batch)
-                draft_logp, target_logp = teacher.buckets(logits, target)
-                labels = batch["labels"][batch["loss_mask"]]
-                if vocab_map is not None:
-                    labels = vocab_map.input_rows[labels]  # tokens outside the subset train the "other" row
-                mask = torch.ones_like(labels, dtype=torch.bool)
-                loss_sum, _, _ = mixed_loss(dc.loss, draft_logp, target_logp, logits, labels, mask,
-                                            dc.jsd_beta, dc.kd_temperature)
-                finite = target.finite() and bool(torch.isfinite(loss_sum))
-                any_bad = accelerator.reduce(torch.tensor(0.0 if finite else 1.0, device=device), "sum")
-                if any_bad > 0:
-                    bad = (a, micro[a], finite)
-                    if use_deepspeed:
-                        accelerator.backward(0.0 * draft_logits(model, batch_on_device([], train_set), vocab_map).sum())
-                    continue
-                accelerator.backward(loss_sum * scale)
-                with torch.no_grad():
-                    sums += torch.stack([loss_sum.detach(), kl_per_token(target_logp, draft_logp).sum(),
-                                         mask.sum().float()])
-        grad_norm = None
-        if bad is None and not use_deepspeed:
-            grad_norm = accelerator.clip_grad_norm_(model.parameters(), dc.grad_clip)
-            if not torch.isfinite(grad_norm):
-                bad = (dc.grad_accum - 1, micro[-1], False)
-        if bad is None or use_deepspeed:
-            optimizer.step()  # DeepSpeed: already stepped inside backward; this is a no-op
-            scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        sums = accelerator.reduce(sums, "sum")
-        return dict(bad=bad, loss=float(sums[0] / global_tokens.clamp(min=1)),
-                    kl=float(sums[1] / sums[2].clamp(min=1)), tokens=int(global_tokens),
-                    grad_norm=float(grad_norm) if grad_norm is not None else float("nan"))
-
-    # ------------------------------------------------------------------ held-out evaluation
-    @torch.no_grad()
-    def evaluate() -> dict:
-        """KL, top-1 agreement and α = Σ_v min(draft_probs, target_probs) at T = 1, per token.
-        With a cached teacher α sums min() over the stored top-K tokens only: a lower bound on
-        the true α (the overlap outside the top-K is unknown; counting the whole "rest" bucket
-        would over-count it badly when the tail is heavy). The draft is used as the decoder uses
-        it (a subset draft's "other" row gets probability 0)."""
-        model.eval()
-        mine = list(range(rank, len(eval_set), world))
-        n_micro = math.ceil(math.ceil(len(eval_set) / world) / dc.micro_batch_size)  # equal on all ranks
-        sums = torch.zeros(4, device=device)  # [tokens, KL, α, top-1 agreement]
-        for a in range(n_micro):
-            batch = batch_on_device(mine[a * dc.micro_batch_size:(a + 1) * dc.micro_batch_size], eval_set)
-            logits = draft_logits(model, batch, vocab_map)
-            target = teacher.targets(batch)
-            draft_logp, target_logp = teacher.buckets(logits, target)
-            decode_logp, decode_target_logp = teacher.buckets(teacher.decode_logits(logits), target)
-            if target.logits is None:  # cached: drop the "rest" column (lower bound, see docstring)
-                decode_logp, decode_target_logp = decode_logp[:, :-1], decode_target_logp[:, :-1]
-            ones = torch.ones(logits.shape[0], dtype=torch.bool, device=device)
-            sums += torch.stack([ones.sum().float(), kl_per_token(target_logp, draft_logp).sum(),
-                                 acceptance(decode_logp, decode_target_logp, ones)[0],
-                                 (teacher.draft_top1(logits) == target.top1()).sum().float()])
-        model.train()
-        sums = accelerator.reduce(sums, "sum")
-        n = float(sums[0].clamp(min=1))
-        alpha = float(sums[2]) / n
-        return {"eval/kl": float(sums[1]) / n, "eval/alpha": alpha, "eval/top1": float(sums[3]) / n,
-                f"eval/tau_k{dc.tau_k}": expected_tau(alpha, dc.tau_k), "eval/tokens": int(sums[0])}
-
-    def export(path: Path, metrics: dict | None = None) -> None:
-        extra = {"config.yaml": yaml.safe_dump(config_to_dict(config), sort_keys=False)}
-        if metrics is not None:
-            extra["metrics.json"] = json.dumps(metrics, indent=1)
-        export_draft(accelerator, model, path, tokenizer, extra)
-
-    def run_eval() -> dict:
-        metrics = evaluate()
-        if metrics["eval/alpha"] > state.best_alpha:
-            state.best_alpha, state.best_step, state.evals_since_best = metrics["eval/alpha"], state.step, 0
-            export(out_dir / "best", {"step": state.step, **metrics})
-        else:
-            state.evals_since_best += 1
-        logger.log(state.step, metrics)
-        logger.message(f"step {state.step}: " + ", ".join(f"{k[5:]} {v:.4g}" for k, v in metrics.items()))
-        return metrics
-
-    # ------------------------------------------------------------------ loop
-    model.train()
-    t_start, steps_here = time.monotonic(), 0
-    elapsed_before = state.elapsed_s
-    last_eval_step, stop_reason = -1, None
-    while state.step < dc.max_steps:
-        t0 = time.monotonic()
-        result = train_step(state.step)
-        state.step += 1
-        steps_here += 1
-        state.elapsed_s = elapsed_before + time.monotonic() - t_start
-        if result["bad"] is not None:
-            state.bad_steps += 1
-            a, indices, _ = result["bad"]
-            message = (f"step {state.step} (epoch {(state.step - 1) // sampler.steps_per_epoch}): non-finite teacher "
-                       f"values or loss in micro-batch {a} (train examples {indices} on rank {rank}); "
-                       f"optimizer not stepped ({state.bad_steps}/{dc.max_bad_steps} bad steps allowed)")
-            print(message, flush=True)
-            if state.bad_steps > dc.max_bad_steps:
-                raise NonFiniteError(message)
-        else:
-            lr = scheduler.get_last_lr()[0]
-            tokens_per_s = result["tokens"] / max(1e-9, time.monotonic() - t0)
-            logger.log(state.step, {"train/loss": result["loss"], "train/kl": result["kl"], "train/lr": lr,
-                                    "train/grad_norm": result["grad_norm"], "train/tokens_per_s": tokens_per_s},
-                       show={"loss": result["loss"], "kl": result["kl"], "tok/s": tokens_per_s})
-        logger.advance()
-
-        if eval_set and dc.eval_every > 0 and state.step % dc.eval_every == 0:
-            run_eval()
-            last_eval_step = state.step
-            if dc.early_stop_patience and state.evals_since_best >= dc.early_stop_patience:
-                stop_reason = f"early stop: α has not improved for {state.evals_since_best} evaluations"
-        # Every rank must agree to stop at this boundary (a signal may reach only one of them).
-        local_stop = stop_requested["signal"] or (dc.stop_after and steps_here >= dc.stop_after) or (
-            dc.max_minutes and state.elapsed_s >= 60 * dc.max_minutes)
-        if accelerator.reduce(torch.tensor(float(bool(local_stop)), device=device), "sum") > 0 and stop_reason is None:
-            stop_reason = "interrupted" if stop_requested["signal"] or dc.stop_after else "max_minutes reached"
-        if stop_reason or (dc.save_every > 0 and state.step % dc.save_every == 0) or state.step == dc.max_steps:
-            save_checkpoint(accelerator, out_dir, state, dc.keep_checkpoints)
-        if stop_reason:
-            logger.message(f"step {state.step}: {stop_reason}; checkpoint saved")
-            break
-
-    if stop_reason == "interrupted":  # resume later from the checkpoint just saved
-        logger.finish({})
-        return {"step": state.step, "stopped": stop_reason}
-
-    # ------------------------------------------------------------------ final export
-    if eval_set and last_eval_step != state.step:
-        run_eval()
-    summary = {"step": state.step, "best_step": state.best_step, "stopped": stop_reason or "max_steps",
-               "bad_steps": state.bad_steps, "elapsed_s": round(state.elapsed_s, 1),
-               "teacher": dc.teacher, "alpha_note": "cached teacher: α summed over the stored top-K tokens (lower bound)"
-               if dc.teacher == "cached" else "online teacher: exact α over the full vocabulary"}
-    best = out_dir / "best"
-    if is_main and eval_set and best.is_dir():
-        best_metrics = json.loads((best / "metrics.json").read_text())
-        summary.update({k.replace("eval/", "final/"): v for k, v in best_metrics.items() if k.startswith("eval/")})
-    accelerator.wait_for_everyone()
-    if eval_set and best.is_dir():
-        if is_main:
-            copy_export(best, out_dir / "final", {"metrics.json": json.dumps(summary, indent=1)})
-    else:
-        export(out_dir / "final", summary)
-    accelerator.wait_for_everyone()
-    if is_main:
-        (out_dir / "final_metrics.json").write_text(json.dumps(summary, indent=1))
-        say(json.dumps(summary))
-    logger.finish(summary)
-    return summary
-
-
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -1,7 +1,10 @@
 """Training throughput: cached teacher (top-K logprobs from disk) vs online teacher (the frozen
 target runs on every batch). Prints figures; not a test.
 
-  .venv/bin/python scripts/bench_distill.py [--steps 8] [--rows 48] [--target embedded:smollm2-135m-instruct]
+  .venv/bin/python -m scripts.bench_distill [--steps 8] [--rows 48] [--target embedded:smollm2-135m-instruct]
+
+(run as a module from the repository root: the rows are written by the tests' shard fixture,
+tests/synthetic_shards.py).
 
 Both runs train the same draft (2% of the target, 8192-token subset) on the same rows, scored
 once by the target up front (the cached run's data). tokens/s counts completion tokens per
@@ -22,7 +25,7 @@ import torch
 from decode.config import load_config
 from decode.models import load_model
 from distill.train import train
-from distill.train_synthetic import write_scored_shards
+from tests.synthetic_shards import write_scored_shards
 
 
 def tokens_per_s(out_dir: Path) -> list[float]:

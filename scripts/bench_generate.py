@@ -18,8 +18,10 @@ import torch
 
 from decode.models import EMBEDDED, load_model, load_tokenizer
 from decode.prompts import build_prompt_set
-from distill.gen_llama import BatchedLlama
-from distill.gen_sampling import generate_batch, row_uniforms, score_batch
+from decode.runners import make_batched_runner
+from decode.sampling import SamplingParams
+from distill.generation.plan import Row
+from distill.generation.runner_engine import RunnerEngine
 
 
 def real_tokens(row: list[int], eos: int) -> int:
@@ -40,19 +42,11 @@ def hf_generate(model, prompts, args, eos: int) -> int:
     return total
 
 
-def ours_generate(runner, prompts, args, eos: int, teacher_topk: int):
-    uniforms = torch.stack([row_uniforms(0, str(i), 0, args.max_new_tokens) for i in range(len(prompts))])
-    results, start = [], 0
-    while start < len(prompts):  # generate-data's batching: <= batch rows, <= max_batch_tokens slots
-        end = start + 1
-        while (end < len(prompts) and end - start < args.batch
-               and (end + 1 - start) * (len(prompts[end]) + args.max_new_tokens) <= args.max_batch_tokens):
-            end += 1
-        results += generate_batch(runner, prompts[start:end], uniforms[start:end],
-                                  max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=0,
-                                  top_p=args.top_p, eos_ids=[eos], teacher_topk=teacher_topk)
-        start = end
-    return results
+def ours_generate(runner, rows: list[Row], args, eos: int, teacher_topk: int):
+    """generate-data's engine and batching: <= batch rows, <= max_batch_tokens slots."""
+    engine = RunnerEngine(runner, [eos], args.batch, args.max_batch_tokens)
+    sampling = SamplingParams(args.temperature, 0, args.top_p)
+    return list(engine.generate(rows, sampling, args.max_new_tokens, teacher_topk, seed=0))
 
 
 def timed(label: str, fn, tokens_of=lambda r: r):
@@ -101,12 +95,13 @@ def main() -> None:
     prompt_set = build_prompt_set(["embedded"], tokenizer, max_prompts=args.num_prompts,
                                   max_new_tokens=args.max_new_tokens)
     # The plan's order: by length, so batches hold similar lengths.
-    prompts = sorted((list(p.token_ids) for p in prompt_set.prompts), key=len)
+    rows = [Row(p, 0) for p in sorted(prompt_set.prompts, key=lambda p: len(p.token_ids))]
+    prompts = [list(r.prompt.token_ids) for r in rows]
     print(f"{len(prompts)} embedded prompts, {sum(map(len, prompts))} prompt tokens, "
           f"{args.max_new_tokens} new tokens, T={args.temperature}, top-p={args.top_p}")
     model = load_model(EMBEDDED)
-    fp32, bf16 = BatchedLlama(model), BatchedLlama(model, torch.bfloat16)
-    ours_generate(fp32, prompts[:4], argparse.Namespace(**{**vars(args), "max_new_tokens": 4}), eos, 0)  # warm-up
+    fp32, bf16 = make_batched_runner(model, "lean"), make_batched_runner(model, "lean", torch.bfloat16)
+    ours_generate(fp32, rows[:4], argparse.Namespace(**{**vars(args), "max_new_tokens": 4}), eos, 0)  # warm-up
 
     count = lambda results: sum(len(r.completion_ids) for r in results)  # noqa: E731
     figures = {}
@@ -115,20 +110,19 @@ def main() -> None:
             _, figures["hf"] = timed(f"HF generate, batch {args.hf_batch}, fp32",
                                      lambda: hf_generate(model, prompts, args, eos))
     results, figures["fp32"] = timed(f"ours, batch {args.batch}, fp32", lambda: ours_generate(
-        fp32, prompts, args, eos, 0), count)
+        fp32, rows, args, eos, 0), count)
     _, figures["fp32_topk"] = timed(f"ours, fp32 + teacher top-{args.teacher_topk}", lambda: ours_generate(
-        fp32, prompts, args, eos, args.teacher_topk), count)
+        fp32, rows, args, eos, args.teacher_topk), count)
     _, figures["bf16"] = timed(f"ours, batch {args.batch}, bf16 GEMMs", lambda: ours_generate(
-        bf16, prompts, args, eos, 0), count)
+        bf16, rows, args, eos, 0), count)
     _, figures["bf16_topk"] = timed(f"ours, bf16 + teacher top-{args.teacher_topk}", lambda: ours_generate(
-        bf16, prompts, args, eos, args.teacher_topk), count)
+        bf16, rows, args, eos, args.teacher_topk), count)
     completions = [list(r.completion_ids) for r in results]
+    scored_rows = [Row(row.prompt, 0, tuple(c)) for row, c in zip(rows, completions)]
     for label, runner in (("fp32", fp32), ("bf16", bf16)):
-        def score():
-            for start in range(0, len(prompts), 32):
-                score_batch(runner, prompts[start:start + 32], completions[start:start + 32], args.teacher_topk)
-            return sum(map(len, completions))
-        timed(f"score mode, {label}, top-{args.teacher_topk}", score)
+        engine = RunnerEngine(runner, [eos], 32, args.max_batch_tokens)  # score mode in batches of 32 rows
+        timed(f"score mode, {label}, top-{args.teacher_topk}", lambda: sum(
+            len(s.completion_ids) for s in engine.score(scored_rows, args.teacher_topk)))
     print(bf16_accuracy(fp32, bf16, prompts, completions))
     if "hf" in figures:
         print(f"speed-up over HF batch {args.hf_batch}: fp32 {figures['fp32'] / figures['hf']:.2f}x, "

@@ -23,11 +23,12 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from decode.graphs import GraphLeanRunner
-from decode.lean import LeanLlamaRunner
 from decode.models import EMBEDDED, load_model
-from decode.runner import ModelRunner
+from decode.runners.graphs import GraphRunner
+from decode.runners.hf import HFRunner
+from decode.runners.lean import LeanRunner
 from decode.timing import synchronize
+from decode.vocab import VocabSubset
 
 VOCAB = 49152  # the embedded target's vocabulary
 
@@ -57,15 +58,14 @@ def build_draft(hidden: int, layers: int, subset: int, seed: int) -> LlamaForCau
     config = LlamaConfig(vocab_size=subset + 1, hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
                          num_key_value_heads=1, max_position_embeddings=8192, tie_word_embeddings=True)
-    config.draft_vocab_ids = sorted(torch.randperm(VOCAB)[:subset].tolist())
-    config.full_vocab_size = VOCAB
+    VocabSubset(sorted(torch.randperm(VOCAB)[:subset].tolist()), VOCAB).write_to(config)
     return LlamaForCausalLM(config).eval()
 
 
 def make_runners(model: LlamaForCausalLM) -> dict:
-    runners = {"hf": ModelRunner(model, VOCAB), "lean": LeanLlamaRunner(model, VOCAB)}
+    runners = {"hf": HFRunner(model, VOCAB), "lean": LeanRunner(model, VOCAB)}
     if next(model.parameters()).device.type == "cuda":
-        runners["graph"] = GraphLeanRunner(model, VOCAB)
+        runners["graph"] = GraphRunner(LeanRunner(model, VOCAB))
     return runners
 
 

@@ -18,8 +18,10 @@ import torch
 
 from decode.models import EMBEDDED, load_model, load_tokenizer
 from decode.prompts import load_prompt_set, read_split_prompts
-from decode.runner import make_runner, model_vocab_size
-from decode.speculative import generate
+from decode.runners import make_runner
+from decode.sampling import SamplingParams
+from decode.speculative import target_decode
+from decode.vocab import model_vocab_size
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -62,8 +64,8 @@ def main(argv=None) -> None:
         exists_draft_wrong = {n: 0 for n in args.ngrams}
         for prompt in prompts:
             ids = list(prompt.token_ids)
-            out = generate(target, torch.tensor([ids]), max_new_tokens=args.max_new_tokens,
-                           target_runner=target_runner).tolist()
+            out = target_decode(target_runner, torch.tensor([ids]), max_new_tokens=args.max_new_tokens,
+                                sampling=SamplingParams()).tolist()
             text = ids + out
             draft_runner.reset()
             draft_best = draft_runner.forward(torch.tensor(text[:-1]), len(out)).argmax(-1).tolist()

@@ -4,6 +4,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from decode.vocab import VocabSubset
+
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -22,10 +24,9 @@ def small_llama(vocab_size: int = 16, hidden: int = 32, layers: int = 1, seed: i
 
 
 def subset_llama(vocab_ids: list[int], full_vocab_size: int, seed: int = 1) -> LlamaForCausalLM:
-    """A vocabulary-subset draft: rows for `vocab_ids` plus the "other" row (see decode/runner.py)."""
+    """A vocabulary-subset draft: rows for `vocab_ids` plus the "other" row (see decode/vocab.py)."""
     draft = small_llama(vocab_size=len(vocab_ids) + 1, seed=seed)
-    draft.config.draft_vocab_ids = list(vocab_ids)
-    draft.config.full_vocab_size = full_vocab_size
+    VocabSubset(vocab_ids, full_vocab_size).write_to(draft.config)
     return draft
 
 

@@ -3,13 +3,16 @@
 import pytest
 import torch
 
-from decode.graphs import MIN_CAPACITY, GraphLeanRunner
-from decode.lean import LeanLlamaRunner
 from decode.models import load_model
-from decode.runner import make_runner
-from decode.speculative import generate, speculative_generate
-from distill.gen_llama import BatchedLlama
-from distill.gen_sampling import generate_batch, row_uniforms
+from decode.proposers import DraftProposer
+from decode.runners import make_runner
+from decode.runners.batched import LeanBatchedRunner
+from decode.runners.graphs import MIN_CAPACITY, GraphRunner
+from decode.runners.lean import LeanRunner
+from decode.sampling import SamplingParams
+from decode.speculative import speculative_decode, target_decode
+from distill.generation.batched_loop import generate_batch
+from distill.generation.runner_engine import row_uniforms
 from tests.test_lean import SCHEDULE, _llama
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -19,8 +22,8 @@ VOCAB = 49152
 def _completions(target, top_p: float) -> list[list[int]]:
     prompts = [[1, 5, 9, 30], [1, 8, 9, 31, 40, 41], [1, 7]]
     uniforms = torch.stack([row_uniforms(0, f"p{i}", 0, 10) for i in range(len(prompts))])  # on the CPU
-    out = generate_batch(BatchedLlama(target), prompts, uniforms, max_new_tokens=10, temperature=0.7, top_k=0,
-                         top_p=top_p, eos_ids=[2], teacher_topk=4)
+    out = generate_batch(LeanBatchedRunner(target), prompts, uniforms, max_new_tokens=10,
+                         sampling=SamplingParams(0.7, 0, top_p), eos_ids=[2], teacher_topk=4)
     return [c.completion_ids.tolist() for c in out]
 
 
@@ -38,15 +41,16 @@ def test_speculative_greedy_on_cuda_equals_target_only(dtype):
     draft = load_model("tiny:draft", "cuda", dtype)
     input_ids = torch.tensor([[1, 5, 9, 30, 7]], device="cuda")
     target_runner, draft_runner = make_runner(target, VOCAB), make_runner(draft, VOCAB)
-    assert isinstance(target_runner, GraphLeanRunner) and isinstance(draft_runner, GraphLeanRunner)
-    base = generate(target, input_ids, max_new_tokens=24, target_runner=target_runner)
+    assert isinstance(target_runner, GraphRunner) and isinstance(draft_runner, GraphRunner)
+    proposer = DraftProposer(draft_runner)
+    base = target_decode(target_runner, input_ids, max_new_tokens=24, sampling=SamplingParams())
     for k in (1, 3):
-        out = speculative_generate(target, draft, input_ids, k=k, max_new_tokens=24,
-                                   target_runner=target_runner, draft_runner=draft_runner)
+        out = speculative_decode(target_runner, proposer, input_ids, k=k, max_new_tokens=24,
+                                 sampling=SamplingParams())
         assert out.tokens.tolist() == base.tolist()
-    sampled = speculative_generate(target, draft, input_ids, k=3, max_new_tokens=24, temperature=0.7,
-                                   generator=torch.Generator("cuda").manual_seed(0),
-                                   target_runner=target_runner, draft_runner=draft_runner)
+    sampled = speculative_decode(target_runner, proposer, input_ids, k=3, max_new_tokens=24,
+                                 sampling=SamplingParams(temperature=0.7),
+                                 generator=torch.Generator("cuda").manual_seed(0))
     assert len(sampled.tokens) == 24 and int(sampled.tokens.max()) < VOCAB
 
 
@@ -54,7 +58,7 @@ def test_graph_replays_match_the_eager_forward():
     """Captured graphs (1..9 rows, replayed at moving positions, across rollbacks and the cache's
     growth, which recaptures) give the eager lean forward's logits."""
     model = _llama(max_position_embeddings=MIN_CAPACITY + 64).cuda()
-    eager, graphs = LeanLlamaRunner(model, 1000), GraphLeanRunner(model, 1000)
+    eager, graphs = LeanRunner(model, 1000), GraphRunner(LeanRunner(model, 1000))
     gen = torch.Generator().manual_seed(0)
     schedule = SCHEDULE + SCHEDULE + [(MIN_CAPACITY - 20, 1)] + [(5, 5)] * 8  # the last calls grow the cache
     for n, num_logits in schedule:
@@ -66,4 +70,4 @@ def test_graph_replays_match_the_eager_forward():
         torch.testing.assert_close(graphs.forward(ids, num_logits), eager.forward(ids, num_logits),
                                    atol=1e-4, rtol=0)
     assert graphs.capacity == MIN_CAPACITY + 64
-    assert graphs._forwards[5].graph is not None  # replayed, not run eagerly
+    assert 5 in graphs.captured  # replayed, not run eagerly

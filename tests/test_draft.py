@@ -6,9 +6,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from decode import generate, speculative_generate
 from decode.models import load_model, param_count
-from decode.speculative import generate, speculative_generate
-from distill.draft import VocabMap, build_scratch_draft, choose_shape, project_embeddings, select_vocab
+from decode.vocab import VocabSubset
+from distill.draft import build_scratch_draft, choose_shape, project_embeddings, select_vocab
 
 # SmolLM2-135M-Instruct's shape (docs: ASSETS.md), counted on the meta device: no weights needed.
 SMOLLM2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -41,9 +42,9 @@ def test_select_vocab_keeps_specials_and_most_frequent():
     counts[[10, 20, 30, 40]] = torch.tensor([5, 50, 7, 1])
     ids = select_vocab(counts, 4, always=[2, 0])
     assert ids == [0, 2, 20, 30]
-    vmap = VocabMap(ids, 100)
-    assert vmap.input_rows[20] == 2 and vmap.input_rows[99] == 4  # outside -> "other" row N
-    assert vmap.output_rows[99] == -1 and vmap.output_rows[30] == 3
+    subset = VocabSubset(ids, 100)
+    assert subset.input_rows[20] == 2 and subset.input_rows[99] == 4  # outside -> "other" row N
+    assert subset.output_rows[99] == -1 and subset.output_rows[30] == 3
 
 
 def test_embedding_projection_preserves_inner_products():
@@ -62,11 +63,12 @@ def test_subset_draft_loads_through_decode_and_is_lossless(tmp_path):
     counts = torch.zeros(49152, dtype=torch.long)
     counts[300:700] = 1  # the subset: ids 300..699 (+ specials)
     ids = select_vocab(counts, 420, always=[0, 1, 2])
-    draft, shape = build_scratch_draft(target, 0.03, 1, ids, "target", seed=0)
+    draft, shape = build_scratch_draft(target, 0.03, 1, VocabSubset(ids, 49152), "target", seed=0)
     assert shape.vocab_rows == 421
     draft.save_pretrained(tmp_path / "draft")
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "draft").eval()
-    assert loaded.config.draft_vocab_ids == ids and loaded.config.full_vocab_size == 49152
+    subset = VocabSubset.from_config(loaded.config)
+    assert subset.ids.tolist() == ids and subset.full_vocab_size == 49152
     assert param_count(loaded) == shape.params
     prompt = torch.tensor([[1, 400, 401, 402, 350]])
     expected = generate(target, prompt, max_new_tokens=10, backend="hf")

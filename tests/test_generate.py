@@ -7,18 +7,22 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
 
 from decode.config import load_config
+from decode.errors import UserError
 from decode.models import load_model
-from decode.sampling import warp_probs
-from distill.gen_hf import BatchedHF
-from distill.gen_llama import BatchedLlama
-from distill.gen_plan import ResumeMismatch
-from distill.gen_sampling import draw, generate_batch, row_uniforms, score_batch
-from distill.gen_shards import CorruptShardError, verify_shards
+from decode.runners.batched import LeanBatchedRunner
+from decode.runners.hf import HFBatchedRunner
+from decode.sampling import SamplingParams, sample, sample_rows, warp_probs
+from distill.generation.batched_loop import generate_batch, score_batch
+from distill.generation.engine import Completion
+from distill.generation.plan import PLAN_FILE, ResumeMismatch
+from distill.generation.runner_engine import row_uniforms
+from distill.generation.shards import CorruptShardError, verify_shards
 from distill.generate import run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,28 +55,40 @@ def finished_run(tmp_path_factory):
 
 
 @pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (5, 1.0), (5, 0.6), (0, 1.0)])
-def test_draw_samples_warp_probs_distribution(top_k, top_p):
-    # Sweep the uniforms finely: the fraction of them mapped to each id is the distribution drawn from.
+def test_sample_rows_samples_warp_probs_distribution(top_k, top_p):
+    # Sweep the uniforms finely over [0, 1): the fraction of them mapped to each id is the distribution drawn from.
     torch.manual_seed(0)
     logits = torch.randn(1, 50) * 2
-    uniforms = (torch.arange(20000, dtype=torch.float64) + 1) / 20000
-    ids = draw(logits.expand(len(uniforms), -1), uniforms, 0.7, top_k, top_p)
+    uniforms = torch.arange(20000, dtype=torch.float64) / 20000
+    ids = sample_rows(logits.expand(len(uniforms), -1), uniforms, SamplingParams(0.7, top_k, top_p))
     drawn = torch.bincount(ids, minlength=50).double() / len(uniforms)
     torch.testing.assert_close(drawn, warp_probs(logits, 0.7, top_k, top_p)[0].double(), atol=2e-4, rtol=0)
 
 
-def test_draw_falls_back_when_the_nucleus_exceeds_the_candidates():
+def test_sample_rows_falls_back_when_the_nucleus_exceeds_the_candidates():
     logits = torch.zeros(1, 2000)  # flat: the 0.95 nucleus holds 1900 tokens, more than 512 candidates
-    uniforms = (torch.arange(4000, dtype=torch.float64) + 1) / 4000
-    ids = draw(logits.expand(len(uniforms), -1), uniforms, 1.0, 0, 0.95)
+    uniforms = torch.arange(4000, dtype=torch.float64) / 4000
+    ids = sample_rows(logits.expand(len(uniforms), -1), uniforms, SamplingParams(1.0, 0, 0.95))
     assert ids.unique().numel() > 1800 and ids.max() < 2000
-    assert draw(torch.tensor([[0.0, 3.0, 1.0]]), torch.tensor([0.5]), 0.0, 0, 1.0).item() == 1  # greedy
+    assert sample_rows(torch.tensor([[0.0, 3.0, 1.0]]), torch.tensor([0.5]), SamplingParams()).item() == 1  # greedy
+
+
+def test_batched_and_batch_1_samplers_share_one_convention():
+    # The same uniforms (one generator seed) pick the same tokens through both entries, at the edges
+    # too: u = 0 takes the first token with mass, u just below 1 the last one (never a zero-mass token).
+    logits = torch.randn(64, 300, generator=torch.Generator().manual_seed(1)) * 3
+    logits[:, :3] = logits[:, -3:] = float("-inf")
+    batch_1 = sample(logits.softmax(-1), torch.Generator().manual_seed(2))
+    uniforms = torch.rand(64, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    assert torch.equal(sample_rows(logits, uniforms, SamplingParams(1.0)), batch_1)
+    edges = sample_rows(logits[:2], torch.tensor([0.0, 1 - 2 ** -53], dtype=torch.float64), SamplingParams(1.0))
+    assert edges.tolist() == [3, 296]
 
 
 def test_lean_runner_matches_hf_forward(target, monkeypatch):
-    monkeypatch.setattr("distill.gen_llama.PREFILL_CHUNK_POSITIONS", 6)  # 3 prefill chunks of their own lengths
+    monkeypatch.setattr("decode.runners.batched.PREFILL_CHUNK_POSITIONS", 6)  # 3 prefill chunks of their own lengths
     prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
-    lean, hf = BatchedLlama(target), BatchedHF(target)
+    lean, hf = LeanBatchedRunner(target), HFBatchedRunner(target)
     with torch.no_grad():
         alone = torch.stack([target(torch.tensor([p])).logits[0, -1] for p in prompts])
     torch.testing.assert_close(lean.prefill(prompts, 8), alone, atol=1e-5, rtol=0)
@@ -83,7 +99,7 @@ def test_lean_runner_matches_hf_forward(target, monkeypatch):
         alone = torch.stack([target(torch.tensor([p + [20]])).logits[0, -1] for p in (prompts[2], prompts[0])])
     torch.testing.assert_close(lean.step(torch.tensor([20, 20])), alone, atol=1e-5, rtol=0)
     torch.testing.assert_close(hf.step(torch.tensor([20, 20])), alone, atol=1e-5, rtol=0)
-    bf16 = BatchedLlama(target, torch.bfloat16)  # bf16 GEMMs, fp32 everywhere else
+    bf16 = LeanBatchedRunner(target, torch.bfloat16)  # bf16 GEMMs, fp32 everywhere else
     torch.testing.assert_close(bf16.prefill([prompts[0]], 8)[0], lean.prefill([prompts[0]], 8)[0], atol=2e-2, rtol=0)
 
 
@@ -91,9 +107,9 @@ def _generate(target, prompts, batch_size, teacher_topk=0, top_p=0.95):
     uniforms = torch.stack([row_uniforms(0, f"p{i}", 0, 12) for i in range(len(prompts))])
     out = []
     for start in range(0, len(prompts), batch_size):
-        out += generate_batch(BatchedLlama(target), prompts[start:start + batch_size],
-                              uniforms[start:start + batch_size], max_new_tokens=12, temperature=0.7, top_k=0,
-                              top_p=top_p, eos_ids=[2], teacher_topk=teacher_topk)
+        out += generate_batch(LeanBatchedRunner(target), prompts[start:start + batch_size],
+                              uniforms[start:start + batch_size], max_new_tokens=12,
+                              sampling=SamplingParams(0.7, 0, top_p), eos_ids=[2], teacher_topk=teacher_topk)
     return out
 
 
@@ -122,7 +138,7 @@ def test_teacher_topk_matches_a_fresh_forward(target):
         torch.testing.assert_close(torch.from_numpy(c.topk_logprobs), values, atol=1e-5, rtol=0)
     # Score mode stores the same numbers for given text.
     prompt, completion = [1, 5, 9], [30, 31, 32, 2]
-    (ids_s, logprobs_s), = score_batch(BatchedLlama(target), [prompt], [completion], 5)
+    (ids_s, logprobs_s), = score_batch(LeanBatchedRunner(target), [prompt], [completion], 5)
     with torch.no_grad():
         logprobs = target(torch.tensor([prompt + completion])).logits[0].log_softmax(-1)[2:-1]
     torch.testing.assert_close(torch.from_numpy(logprobs_s), logprobs.topk(5, -1).values, atol=1e-5, rtol=0)
@@ -168,11 +184,54 @@ def test_kill_and_resume_gives_every_prompt_once(finished_run, tmp_path):
     assert sorted(rows, key=key) == sorted(read_rows(finished_run), key=key)
 
 
-def test_resume_with_changed_settings_is_refused(finished_run):
+def test_resume_with_changed_settings_is_refused(finished_run, tmp_path):
     with pytest.raises(ResumeMismatch, match=r"temperature: 0.7 -> 0.9"):
         run(config_for(finished_run, "generate.temperature=0.9"))
     with pytest.raises(ResumeMismatch, match="target_hash"):
         run(config_for(finished_run, "target=tiny:draft"))
+    # A folder written by the earlier sampler convention (its plan has no "sampler") draws other
+    # tokens for the same seed: never resumed.
+    (tmp_path / PLAN_FILE).write_text(json.dumps({
+        k: v for k, v in json.loads((finished_run / PLAN_FILE).read_text()).items() if k != "sampler"}))
+    with pytest.raises(ResumeMismatch, match="sampler: None -> "):
+        run(config_for(tmp_path))
+    assert not list(tmp_path.glob("shard-*"))
+
+
+class FixedEngine:
+    """A stand-in engine: every row gets the completion [7, 2] (EOS) and a fixed teacher top-k."""
+
+    sampler = "fixed"
+
+    def generate(self, rows, sampling, max_new_tokens, teacher_topk, seed):
+        for _ in rows:
+            yield Completion(np.array([7, 2], np.int32), "eos", np.zeros((2, teacher_topk), np.int32),
+                             np.full((2, teacher_topk), -1.5, np.float32))
+
+    def score(self, rows, teacher_topk):
+        raise AssertionError("generate mode never scores")
+
+
+def test_run_needs_only_the_engine_interface(tmp_path, monkeypatch):
+    monkeypatch.setattr("distill.generate.RunnerEngine", lambda *args: FixedEngine())
+    manifest = run(config_for(tmp_path))
+    assert manifest["complete"] and manifest["rows"] == 24 and manifest["fingerprint"]["sampler"] == "fixed"
+    rows = read_rows(tmp_path)
+    assert all(r["completion_ids"] == [7, 2] and r["finish_reason"] == "eos" for r in rows)
+    assert all(r["teacher_topk_logprobs"] == [[-1.5] * 4] * 2 for r in rows)
+
+
+@pytest.mark.parametrize("records, error", [
+    ([], "no rows to generate"),  # an empty file
+    ([{"prompt": ""}, {"prompt": "  "}], r"no rows to generate.*'empty': 2"),  # every prompt skipped
+    ([{"text": "Hi there."}, {"text": "Why?"}], "text_field"),  # no record has the text_field ('prompt')
+])
+def test_no_prompts_stops_before_generating(tmp_path, records, error):
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(UserError, match=error):
+        run(config_for(tmp_path / "out", f"generate.sources=[{source}]"))
+    assert not (tmp_path / "out" / "manifest.json").exists() and not (tmp_path / "out" / PLAN_FILE).exists()
 
 
 def test_corrupt_shard_is_named(finished_run, tmp_path):

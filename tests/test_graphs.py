@@ -8,12 +8,16 @@ from real graphs.
 import pytest
 import torch
 
-from decode import generate, speculative_generate
+from decode import generate
 from decode.config import ConfigError, load_config
-from decode.graphs import MAX_GRAPH_ROWS, MIN_CAPACITY, GraphLeanRunner
-from decode.lean import LeanLlamaRunner
 from decode.models import tiny_model
-from decode.runner import make_runner
+from decode.proposers import make_proposer
+from decode.runners import make_runner
+from decode.runners.graphs import MAX_GRAPH_ROWS, MIN_CAPACITY, GraphRunner
+from decode.runners.lean import LeanRunner
+from decode.sampling import SamplingParams
+from decode.speculative import speculative_decode, target_decode
+from decode.vocab import VocabSubset
 from tests.test_lean import SCHEDULE, _close, _llama, _subset_draft
 
 # Prefill longer than MAX_GRAPH_ROWS (the eager path on the same cache), then graph-sized calls.
@@ -21,7 +25,7 @@ PREFILL = MAX_GRAPH_ROWS + 4
 
 
 def _compare(model, vocab: int, schedule, seed=0) -> None:
-    eager, static = LeanLlamaRunner(model, vocab), GraphLeanRunner(model, vocab, capture=False)
+    eager, static = LeanRunner(model, vocab), GraphRunner(LeanRunner(model, vocab), capture=False)
     gen = torch.Generator().manual_seed(seed)
     for n, num_logits in schedule:
         if n == "rollback":
@@ -42,7 +46,7 @@ def test_static_forward_matches_eager_through_calls_and_rollbacks(name):
 
 def test_cache_keeps_min_capacity_and_grows_past_it():
     model = _llama(max_position_embeddings=MIN_CAPACITY + 64)
-    runner = GraphLeanRunner(model, 1000, capture=False)
+    runner = GraphRunner(LeanRunner(model, 1000), capture=False)
     assert runner.capacity == MIN_CAPACITY
     ids = torch.randint(0, 1000, (MIN_CAPACITY + 12,), generator=torch.Generator().manual_seed(1))
     runner.forward(ids[:MIN_CAPACITY - 8], 1)
@@ -56,8 +60,8 @@ def test_cache_keeps_min_capacity_and_grows_past_it():
 def test_subset_draft_logits_over_rows_and_full_vocab():
     vocab, n = 1000, 50
     draft = _subset_draft(vocab, n)
-    eager, static = LeanLlamaRunner(draft, vocab), GraphLeanRunner(draft, vocab, capture=False)
-    subset = torch.tensor(draft.config.draft_vocab_ids)
+    eager, static = LeanRunner(draft, vocab), GraphRunner(LeanRunner(draft, vocab), capture=False)
+    subset = VocabSubset.of(draft).ids
     for ids in (subset[:7], torch.randint(0, vocab, (3,), generator=torch.Generator().manual_seed(2))):
         rows = static.forward(ids, 2, full_vocab=False)
         assert rows.shape == (2, n)
@@ -68,20 +72,23 @@ def test_subset_draft_logits_over_rows_and_full_vocab():
 def test_greedy_speculative_with_static_runners_equals_target_only():
     target, draft = tiny_model("target"), tiny_model("draft")
     prompt = torch.randint(0, 49152, (1, 11), generator=torch.Generator().manual_seed(4))
-    t_runner = GraphLeanRunner(target, 49152, capture=False)
-    d_runner = GraphLeanRunner(draft, 49152, capture=False)
+    t_runner = GraphRunner(LeanRunner(target, 49152), capture=False)
+    d_runner = GraphRunner(LeanRunner(draft, 49152), capture=False)
+    greedy = SamplingParams()
     expected = generate(target, prompt, max_new_tokens=20, backend="lean")
-    assert generate(target, prompt, max_new_tokens=20, target_runner=t_runner).tolist() == expected.tolist()
+    assert target_decode(t_runner, prompt, max_new_tokens=20, sampling=greedy).tolist() == expected.tolist()
     for lookup_ngram in (0, 2):
-        out = speculative_generate(target, draft, prompt, k=4, max_new_tokens=20, target_runner=t_runner,
-                                   draft_runner=d_runner, lookup_ngram=lookup_ngram)
+        out = speculative_decode(t_runner, make_proposer(d_runner, lookup_ngram), prompt, k=4, max_new_tokens=20,
+                                 sampling=greedy)
         assert out.tokens.tolist() == expected.tolist()
 
 
 def test_graph_backend_needs_cuda_and_auto_stays_eager_on_cpu(tmp_path):
     model = tiny_model("target")
-    assert type(make_runner(model, 49152, "auto")) is LeanLlamaRunner
+    assert type(make_runner(model, 49152, "auto")) is LeanRunner
     with pytest.raises(ValueError, match="CUDA"):
         make_runner(model, 49152, "graph")
+    with pytest.raises(ValueError, match="hidden"):
+        GraphRunner(LeanRunner(model, 49152, hidden_layers=(1,)), capture=False)
     with pytest.raises(ConfigError, match="eval.backend"):
         load_config("configs/tiny.yaml", ["eval.backend=graphs"])

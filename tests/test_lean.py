@@ -5,9 +5,13 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from decode import generate, speculative_generate
-from decode.lean import CACHE_CHUNK, MIN_IN, LeanLlamaRunner, _Projection, lean_supported
 from decode.models import tiny_model
-from decode.runner import ModelRunner, make_runner
+from decode.runners import make_runner
+from decode.runners.hf import HFRunner
+from decode.runners.lean import CACHE_CHUNK, LeanRunner
+from decode.runners.llama import lean_supported
+from decode.runners.projection import MIN_IN, Projection
+from decode.vocab import VocabSubset
 
 ATOL = 1e-4
 
@@ -20,7 +24,12 @@ def _llama(seed=0, **overrides) -> LlamaForCausalLM:
                  tie_word_embeddings=False, rope_theta=5000.0)
     shape.update(overrides)
     torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(**shape)).eval()
+    model = LlamaForCausalLM(LlamaConfig(**shape)).eval()
+    with torch.no_grad():  # HF initialises biases to zero, which would hide a bias left out
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(std=0.5)
+    return model
 
 
 def _subset_draft(vocab: int, n: int, seed=3) -> LlamaForCausalLM:
@@ -28,8 +37,7 @@ def _subset_draft(vocab: int, n: int, seed=3) -> LlamaForCausalLM:
     draft = _llama(seed, vocab_size=n + 1, hidden_size=64, intermediate_size=128, num_attention_heads=2,
                    num_key_value_heads=1, tie_word_embeddings=True)
     gen = torch.Generator().manual_seed(seed)
-    draft.config.draft_vocab_ids = sorted(torch.randperm(vocab, generator=gen)[:n].tolist())
-    draft.config.full_vocab_size = vocab
+    VocabSubset(sorted(torch.randperm(vocab, generator=gen)[:n].tolist()), vocab).write_to(draft.config)
     return draft
 
 
@@ -41,6 +49,8 @@ MODELS = {
     "untied_gqa4": lambda: _llama(),
     "llama3_rope": lambda: _llama(rope_scaling=LLAMA3_ROPE),  # Llama 3.x's frequency scaling
     "linear_rope": lambda: _llama(rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "attention_bias": lambda: _llama(attention_bias=True),  # q/k/v and o biases
+    "mlp_bias": lambda: _llama(mlp_bias=True),  # gate/up and down biases
 }
 
 # (new tokens, logits kept) per call; ("rollback", length) drops positions >= length.
@@ -53,25 +63,28 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
     assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("in_features", [64, MIN_IN, 576])
-def test_projection_layouts_compute_x_times_w_transposed(in_features):
-    """Every row count's layout (gemv, w @ x.T, packed oneDNN) gives x @ w.T."""
+def test_projection_layouts_compute_x_times_w_transposed(in_features, with_bias):
+    """Every row count's layout (gemv, w @ x.T, packed oneDNN) gives x @ w.T (+ bias)."""
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(300, in_features, generator=gen) / in_features**0.5
-    proj = _Projection(w, cpu_fp32=True)
+    bias = torch.randn(300, generator=gen) if with_bias else None
+    proj = Projection(w, bias, cpu_fp32=True)
     assert proj.packed is not None  # the CPU build ships oneDNN: the fast path must be on
     for m in range(1, 15):
         x = torch.randn(m, in_features, generator=gen)
         got = proj(x)
         assert got.shape == (m, 300) and got.is_contiguous()
-        torch.testing.assert_close(got, x @ w.T, atol=1e-5, rtol=1e-5)
+        expected = x @ w.T if bias is None else x @ w.T + bias
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_matches_hf_runner_through_calls_and_rollbacks(name):
     model = MODELS[name]()
     vocab = model.config.vocab_size
-    hf, lean = ModelRunner(model, vocab), LeanLlamaRunner(model, vocab)
+    hf, lean = HFRunner(model, vocab), LeanRunner(model, vocab)
     gen = torch.Generator().manual_seed(0)
     committed: list[int] = []
     for n, num_logits in SCHEDULE:
@@ -92,9 +105,37 @@ def test_matches_hf_runner_through_calls_and_rollbacks(name):
         _close(got, fresh)
 
 
+@pytest.mark.parametrize("backend", ["lean", "hf"])
+def test_hidden_states_are_the_hf_models_own(backend):
+    """Each forward keeps the chosen layers' outputs for its ids: HF's output_hidden_states[i + 1]
+    (the last layer's after the final norm), through calls and rollbacks."""
+    model = _llama(num_hidden_layers=3)
+    layers = (0, 2, 1)
+    runner = make_runner(model, 1000, backend, hidden_layers=layers)
+    assert runner.hidden_layers == layers
+    gen = torch.Generator().manual_seed(0)
+    committed: list[int] = []
+    for n, num_logits in SCHEDULE:
+        if n == "rollback":
+            runner.rollback(num_logits)
+            del committed[num_logits:]
+            continue
+        ids = torch.randint(0, 1000, (n,), generator=gen)
+        committed += ids.tolist()
+        runner.forward(ids, num_logits)
+        with torch.no_grad():
+            hf_states = model(input_ids=torch.tensor([committed]), output_hidden_states=True).hidden_states
+        expected = torch.stack([hf_states[i + 1][0, -n:] for i in layers], dim=1)  # [n, 3, hidden]
+        assert runner.hidden_states.shape == (n, len(layers), 256)
+        torch.testing.assert_close(runner.hidden_states, expected, atol=ATOL, rtol=0)
+    assert make_runner(model, 1000, backend).hidden_states is None
+    with pytest.raises(ValueError, match="hidden_layers"):
+        make_runner(model, 1000, backend, hidden_layers=(3,))
+
+
 def test_cache_grows_past_a_chunk():
     model = _llama()
-    lean = LeanLlamaRunner(model, 1000)
+    lean = LeanRunner(model, 1000)
     ids = torch.randint(0, 1000, (CACHE_CHUNK + 40,), generator=torch.Generator().manual_seed(1))
     lean.forward(ids[:CACHE_CHUNK - 10], 1)
     assert lean.capacity == CACHE_CHUNK
@@ -108,8 +149,8 @@ def test_cache_grows_past_a_chunk():
 def test_subset_draft_scatters_to_full_vocab():
     vocab, n = 1000, 50
     draft = _subset_draft(vocab, n)
-    hf, lean = ModelRunner(draft, vocab), LeanLlamaRunner(draft, vocab)
-    subset = torch.tensor(draft.config.draft_vocab_ids)
+    hf, lean = HFRunner(draft, vocab), LeanRunner(draft, vocab)
+    subset = VocabSubset.of(draft).ids
     outside = torch.ones(vocab, dtype=torch.bool)
     outside[subset] = False
     gen = torch.Generator().manual_seed(2)
@@ -124,7 +165,7 @@ def test_subset_draft_scatters_to_full_vocab():
 
 def test_bf16_close_to_hf():
     model = tiny_model("target").to(torch.bfloat16)
-    hf, lean = ModelRunner(model, 49152), LeanLlamaRunner(model, 49152)
+    hf, lean = HFRunner(model, 49152), LeanRunner(model, 49152)
     ids = torch.randint(0, 49152, (8,), generator=torch.Generator().manual_seed(3))
     for chunk in (ids[:5], ids[5:6], ids[6:]):
         got, expected = lean.forward(chunk, chunk.shape[0]), hf.forward(chunk, chunk.shape[0])
@@ -147,24 +188,22 @@ def test_decoders_match_across_backends(draft_kind):
 
 def test_make_runner_picks_lean_for_llama():
     model = tiny_model("target")
-    assert isinstance(make_runner(model, 49152, "auto"), LeanLlamaRunner)
-    assert isinstance(make_runner(model, 49152, "hf"), ModelRunner)
+    assert isinstance(make_runner(model, 49152, "auto"), LeanRunner)
+    assert isinstance(make_runner(model, 49152, "hf"), HFRunner)
 
 
 @pytest.mark.parametrize("make", [
     lambda: _llama(rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
     lambda: _llama(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}),
-    lambda: _llama(attention_bias=True),
-    lambda: _llama(mlp_bias=True),
     lambda: _llama(hidden_act="gelu"),
     lambda: _llama().to(torch.float16),
     lambda: Qwen2ForCausalLM(Qwen2Config(vocab_size=100, hidden_size=32, intermediate_size=64,
                                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)),
-], ids=["dynamic_rope", "yarn_rope", "attention_bias", "mlp_bias", "gelu", "fp16", "qwen2"])
+], ids=["dynamic_rope", "yarn_rope", "gelu", "fp16", "qwen2"])
 def test_unsupported_configs_fall_back(make):
     model = make()
     assert not lean_supported(model)
-    assert type(make_runner(model, model.config.vocab_size, "auto")) is ModelRunner
+    assert type(make_runner(model, model.config.vocab_size, "auto")) is HFRunner
     with pytest.raises(ValueError):
         make_runner(model, model.config.vocab_size, "lean")
 
@@ -174,7 +213,7 @@ def test_embedded_target_matches_hf():
     from decode.models import EMBEDDED, load_model
 
     model = load_model(EMBEDDED)
-    hf, lean = ModelRunner(model, 49152), LeanLlamaRunner(model, 49152)
+    hf, lean = HFRunner(model, 49152), LeanRunner(model, 49152)
     ids = torch.randint(0, 49152, (40,), generator=torch.Generator().manual_seed(5))
     for chunk, num_logits in ((ids[:30], 2), (ids[30:31], 1), (ids[31:36], 5), (ids[36:], 4)):
         _close(lean.forward(chunk, num_logits), hf.forward(chunk, num_logits))

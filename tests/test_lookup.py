@@ -1,8 +1,10 @@
-"""Prompt lookup's n-gram index (decode/lookup.py)."""
+"""Prompt lookup's n-gram index (decode/lookup.py) and its proposer (decode/proposers.py)."""
 
 import pytest
 
 from decode.lookup import NgramIndex
+from decode.proposers import LookupProposer
+from decode.sampling import SamplingParams
 
 
 def test_proposes_the_token_after_the_latest_occurrence():
@@ -37,3 +39,25 @@ def test_follower_appears_once_the_next_token_arrives():
 def test_max_ngram_below_two_is_refused():
     with pytest.raises(ValueError, match="max_ngram"):
         NgramIndex(max_ngram=1)
+
+
+def test_lookup_proposer_chains_guesses_and_stops_at_the_first_miss():
+    proposer = LookupProposer(max_ngram=2)
+    proposer.reset([1, 2, 3, 1, 2])
+    proposal = proposer.propose([1, 2, 3, 1, 2], 5, SamplingParams(), None)
+    # (1, 2) -> 3, (2, 3) -> 1, (3, 1) -> 2, (1, 2) -> 3, ...: a cycle, cut at k.
+    assert proposal.tokens == [3, 1, 2, 3, 1]
+    assert proposal.draft_probs == [None] * 5 and proposal.from_lookup == [True] * 5
+    proposer.reset([4, 5, 6])
+    assert proposer.propose([4, 5, 6], 3, SamplingParams(), None).tokens == []
+
+
+def test_lookup_proposer_indexes_committed_text_only():
+    """Tokens committed after the prompt are looked up; proposed tokens never enter the index."""
+    proposer = LookupProposer(max_ngram=2)
+    proposer.reset([1, 2, 3])
+    # (1, 2) -> 3 from the prompt, (2, 3) -> 1 from the committed tokens after it.
+    assert proposer.propose([1, 2, 3, 1, 2], 2, SamplingParams(), None).tokens == [3, 1]
+    proposer.rollback(6)  # the target rejected 3 and emitted 4
+    # The latest (1, 2) was followed by the committed 4, not by the proposed 3.
+    assert proposer.propose([1, 2, 3, 1, 2, 4, 1, 2], 1, SamplingParams(), None).tokens == [4]

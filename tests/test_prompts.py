@@ -4,8 +4,11 @@ import json
 
 import pytest
 
+from decode.config import load_config
+from decode.errors import UserError
 from decode.models import load_tokenizer
-from decode.prompts import build_prompt_set, load_prompt_set, read_texts, split_of
+from decode.prompts import (PromptSourceError, build_prompt_set, evaluation_split, load_prompt_set, read_texts,
+                            split_of)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +50,7 @@ def test_chat_template_wraps_the_text(tokenizer):
 
 def test_humaneval_is_a_named_source(tokenizer):
     texts = read_texts("humaneval")
-    assert len(texts) == 164 and all(source == "humaneval" for source, _ in texts)
+    assert len(texts) == 164 and all(raw.source == "humaneval" and raw.problem is None for raw in texts)
     prompts = load_prompt_set("humaneval", tokenizer, limit=5)
     assert len(prompts) == 5 and prompts[0].token_ids
 
@@ -74,7 +77,54 @@ def test_local_csv_and_parquet(tokenizer, tmp_path):
     prompts = build_prompt_set([str(tmp_path / "p.csv"), str(tmp_path / "p.parquet")], tokenizer,
                                text_field="question").prompts
     assert [p.text for p in prompts] == ["Why is the sky blue?", "Why is grass green?"]
-    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+    with pytest.raises(PromptSourceError, match="missing.jsonl"):
         build_prompt_set([str(tmp_path / "missing.jsonl")], tokenizer)
-    with pytest.raises(ValueError, match="unknown prompt source"):
+    with pytest.raises(PromptSourceError, match="unknown prompt source"):
         build_prompt_set(["nonsense"], tokenizer)
+    assert issubclass(PromptSourceError, UserError)
+
+
+def test_unreadable_jsonl_lines_are_skipped_with_file_and_line(tokenizer, tmp_path):
+    """One bad line (not UTF-8, not JSON, not an object) no longer loses the whole file."""
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(b'{"prompt": "What is 2 + 2?"}\n'
+                     b'{"prompt": "caf\xe9"}\n'            # Latin-1, not UTF-8
+                     b'{"prompt": "unterminated\n'
+                     b'["a", "list"]\n'
+                     b'\n'
+                     b'{"prompt": "Name a colour."}\n')
+    with pytest.warns(UserWarning, match="skipped 3 unreadable row"):
+        prompt_set = build_prompt_set([str(path)], tokenizer)
+    assert [p.text for p in prompt_set.prompts] == ["What is 2 + 2?", "Name a colour."]
+    assert prompt_set.counts["mixed.jsonl"]["skipped"] == {"unreadable": 3}
+    problems = [s["text"] for s in prompt_set.skipped]
+    assert problems[0].startswith(f"{path}:2: not UTF-8 (byte 0xe9")
+    assert problems[1].startswith(f"{path}:3: not valid JSON")
+    assert problems[2] == f"{path}:4: a JSON list, not an object with named fields"
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("bad.csv", b"prompt\ncaf\xe9\n", "bad.csv' cannot be read"),
+    ("bad.parquet", b"not parquet at all", "bad.parquet' cannot be read"),
+    ("other.csv", b"question\nWhy?\n", "other.csv' has no column 'prompt' \\(columns: \\['question'\\]\\)"),
+    ("other.jsonl", b'{"question": "Why?"}\n', "other.jsonl': no row has the field 'prompt'"),
+])
+def test_unreadable_prompt_files_are_named(tokenizer, tmp_path, name, content, message):
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(PromptSourceError, match=message):
+        build_prompt_set([str(tmp_path / name)], tokenizer)
+
+
+def test_a_local_file_given_for_evaluation_is_used_whole(tokenizer, tmp_path):
+    """The hash split holds out prompts of sources that can feed training; a file named only for
+    evaluation is all evaluation prompts (the old code kept ~10% of it and often found none)."""
+    from decode.bench import eval_prompts
+
+    path = tmp_path / "mine.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"Question number {i}?"}) for i in range(6)))
+    assert evaluation_split(str(path), ["embedded"]) is None
+    assert evaluation_split(str(path), ["embedded", str(path)]) == "eval"  # also trained on: held-out part only
+    assert evaluation_split("humaneval", ["embedded"]) == "eval"
+    cfg = load_config("configs/tiny.yaml", [f"eval.prompts=[{path}]", "eval.num_prompts=6"])
+    sets = eval_prompts(cfg, tokenizer, context_length=1024)
+    assert sorted(p.text for p in sets[str(path)]) == [f"Question number {i}?" for i in range(6)]

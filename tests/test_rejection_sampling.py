@@ -178,3 +178,21 @@ def test_sample_never_returns_past_the_last_token_with_mass(monkeypatch):
     probs = torch.tensor([0.2, 0.5, 0.3, 0.0, 0.0])
     monkeypatch.setattr(torch, "rand", lambda *shape, **kw: torch.ones(*shape, dtype=kw.get("dtype")))
     assert int(sample(probs)) == 2
+
+
+def test_fewer_draft_rows_give_the_zero_padded_rule():
+    """A draft with fewer rows than the target's vocabulary (row r = token r, no draft_ids) decides
+    exactly as the same draft padded with zeros: the ids above its rows have draft probability 0."""
+    gen = torch.Generator().manual_seed(9)
+    rows_n = 4
+    for trial in range(200):
+        k = 1 + trial % 3
+        target = torch.stack([random_dist(gen) for _ in range(k + 1)])
+        rows = [torch.rand(rows_n, generator=gen) + 0.05 for _ in range(k)]
+        rows = [r / r.sum() for r in rows]
+        padded = [torch.cat([r, torch.zeros(V - rows_n)]) for r in rows]
+        drafted = [int(sample(r, gen)) for r in rows]
+        seed = int(torch.randint(0, 2**31, (), generator=gen))
+        by_rows = verify_block(drafted, rows, target, torch.Generator().manual_seed(seed))
+        by_vocab = verify_block(drafted, padded, target, torch.Generator().manual_seed(seed))
+        assert by_rows == by_vocab

@@ -1,13 +1,22 @@
 """RELIABILITY 2, 3, 6-12: speculative decoding with real (tiny, random) models."""
 
+import json
 from collections import Counter
 
 import pytest
 import torch
 from scipy import stats as scipy_stats
 
+import decode.api
+import decode.speculative
 from decode import generate, speculative_generate
-from decode.runner import ModelRunner, make_runner
+from decode.api import build_runners
+from decode.proposers import DraftProposer, LookupProposer, LookupThenDraft
+from decode.runners import make_runner
+from decode.runners.hf import HFRunner
+from decode.sampling import SamplingParams
+from decode.speculative import speculative_decode, target_decode, verify_block
+from decode.stats import SpeculativeStats
 from tests.conftest import negated_copy, small_llama, subset_llama
 
 PROMPT = torch.tensor([[0, 3, 7, 2, 9]])
@@ -32,13 +41,13 @@ def test_sequence_distribution_matches_target(pair, warp, draft_kind):
     target, draft = pair
     if draft_kind == "subset":
         draft = subset_llama(SUBSET_IDS, 16)
-    t_runner, d_runner = make_runner(target, 16), make_runner(draft, 16)
+    t_runner, proposer = make_runner(target, 16), DraftProposer(make_runner(draft, 16))
+    sampling = SamplingParams(**warp)
     n = 1000
-    spec = continuations(lambda g: speculative_generate(
-        target, draft, PROMPT, k=2, max_new_tokens=3, generator=g, target_runner=t_runner, draft_runner=d_runner,
-        **warp).tokens, n, seed=1)
-    base = continuations(lambda g: generate(target, PROMPT, max_new_tokens=3, generator=g, target_runner=t_runner,
-                                            **warp), n, seed=2)
+    spec = continuations(lambda g: speculative_decode(
+        t_runner, proposer, PROMPT, k=2, max_new_tokens=3, sampling=sampling, generator=g).tokens, n, seed=1)
+    base = continuations(lambda g: target_decode(t_runner, PROMPT, max_new_tokens=3, sampling=sampling, generator=g),
+                         n, seed=2)
     cells = sorted(set(spec) | set(base))
     table = [[spec[c] for c in cells], [base[c] for c in cells]]
     # Pool rare cells so expected counts are not tiny.
@@ -55,18 +64,20 @@ def test_sequence_distribution_with_lookup_matches_target(pair, draft_kind):
     target, draft = pair
     if draft_kind == "subset":
         draft = subset_llama(SUBSET_IDS, 16)
-    t_runner, d_runner = make_runner(target, 16), make_runner(draft, 16)
+    t_runner = make_runner(target, 16)
+    proposer = LookupThenDraft(LookupProposer(3), DraftProposer(make_runner(draft, 16)))
+    sampling = SamplingParams(temperature=1.0)
     n, looked_up = 1000, []
 
     def spec(g):
-        out = speculative_generate(target, draft, REPETITIVE, k=3, max_new_tokens=3, temperature=1.0, generator=g,
-                                   target_runner=t_runner, draft_runner=d_runner, lookup_ngram=3)
+        out = speculative_decode(t_runner, proposer, REPETITIVE, k=3, max_new_tokens=3, sampling=sampling,
+                                 generator=g)
         looked_up.append(out.stats.looked_up)
         return out.tokens
 
     spec_counts = continuations(spec, n, seed=1)
-    base = continuations(lambda g: generate(target, REPETITIVE, max_new_tokens=3, temperature=1.0, generator=g,
-                                            target_runner=t_runner), n, seed=2)
+    base = continuations(lambda g: target_decode(t_runner, REPETITIVE, max_new_tokens=3, sampling=sampling,
+                                                 generator=g), n, seed=2)
     assert sum(looked_up) > n  # most blocks start with a looked-up token
     cells = sorted(set(spec_counts) | set(base))
     frequent = [c for c in cells if spec_counts[c] + base[c] >= 10]
@@ -79,10 +90,11 @@ def test_chi2_detects_a_different_distribution(pair):
     """The sequence test has power: target vs draft sampling is told apart."""
     target, draft = pair
     t_runner, d_runner = make_runner(target, 16), make_runner(draft, 16)
-    a = continuations(lambda g: generate(target, PROMPT, max_new_tokens=2, temperature=1.0, generator=g,
-                                         target_runner=t_runner), 800, 1)
-    b = continuations(lambda g: generate(draft, PROMPT, max_new_tokens=2, temperature=1.0, generator=g,
-                                         target_runner=d_runner), 800, 2)
+    sampling = SamplingParams(temperature=1.0)
+    a = continuations(lambda g: target_decode(t_runner, PROMPT, max_new_tokens=2, sampling=sampling, generator=g),
+                      800, 1)
+    b = continuations(lambda g: target_decode(d_runner, PROMPT, max_new_tokens=2, sampling=sampling, generator=g),
+                      800, 2)
     cells = sorted(set(a) | set(b))
     frequent = [c for c in cells if a[c] + b[c] >= 10]
     rows = [[a[c] for c in frequent], [b[c] for c in frequent]]
@@ -177,10 +189,9 @@ def test_caches_roll_back_to_the_committed_prefix(pair, draft_kind):
     """After the run, both caches hold exactly committed-1 tokens and match a no-cache forward."""
     target, other = pair
     draft = {"same": target, "different": other, "always_wrong": negated_copy(target)}[draft_kind]
-    t_runner, d_runner = ModelRunner(target, 16), ModelRunner(draft, 16)
-    out = speculative_generate(target, draft, PROMPT, k=4, max_new_tokens=13, temperature=1.0,
-                               generator=torch.Generator().manual_seed(0),
-                               target_runner=t_runner, draft_runner=d_runner)
+    t_runner, d_runner = HFRunner(target, 16), HFRunner(draft, 16)
+    out = speculative_decode(t_runner, DraftProposer(d_runner), PROMPT, k=4, max_new_tokens=13,
+                             sampling=SamplingParams(temperature=1.0), generator=torch.Generator().manual_seed(0))
     committed = PROMPT[0].tolist() + out.tokens.tolist()
     assert t_runner.length == len(committed) - 1
     assert d_runner.length <= len(committed) - 1
@@ -192,7 +203,7 @@ def test_caches_roll_back_to_the_committed_prefix(pair, draft_kind):
 
 def test_runner_rollback_matches_fresh_forward(pair):
     target, _ = pair
-    runner = ModelRunner(target, 16)
+    runner = HFRunner(target, 16)
     runner.forward(torch.tensor([0, 3, 7, 2]), 1)
     runner.forward(torch.tensor([5, 5, 5]), 3)
     runner.rollback(5)
@@ -261,3 +272,150 @@ def test_lookup_ngram_below_two_is_refused(pair):
     target, draft = pair
     with pytest.raises(ValueError, match="lookup_ngram"):
         speculative_generate(target, draft, PROMPT, k=2, max_new_tokens=3, lookup_ngram=1)
+
+
+def test_bad_arguments_are_refused_before_any_runner_is_built(pair, monkeypatch):
+    target, draft = pair
+
+    def no_runner(*args, **kwargs):
+        raise AssertionError("a runner was built before the arguments were checked")
+
+    monkeypatch.setattr(decode.api, "make_runner", no_runner)
+    spec = lambda **kw: speculative_generate(target, draft, **({"input_ids": PROMPT, "k": 2, "max_new_tokens": 3} | kw))
+    with pytest.raises(TypeError, match="LongTensor"):
+        generate(target, [[0, 3, 7]], max_new_tokens=3)
+    with pytest.raises(TypeError, match="LongTensor"):
+        spec(input_ids=PROMPT.int())
+    with pytest.raises(ValueError, match=r"\[0, 16\).*-5"):  # not read as id 11 from the end
+        spec(input_ids=torch.tensor([[0, -5, 7]]))
+    with pytest.raises(ValueError, match=r"\[0, 16\).*16"):
+        generate(target, torch.tensor([[0, 16]]), max_new_tokens=3)
+    with pytest.raises(TypeError, match="k must be an int"):
+        spec(k=2.5)
+    with pytest.raises(ValueError, match="top_k must be >= 0"):
+        spec(top_k=-3)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        generate(target, PROMPT, max_new_tokens=0)
+    with pytest.raises(TypeError, match="max_new_tokens must be an int"):
+        spec(max_new_tokens=3.0)
+    with pytest.raises(ValueError, match="lookup_ngram"):
+        spec(lookup_ngram=1)
+
+
+# A draft with 8 embedding rows for the target's 16 ids (same tokenizer, no subset): the target puts
+# about half its mass on ids >= 8 after PROMPT, and the draft can propose none of them.
+SMALL_DRAFT_VOCAB = 8
+
+
+def test_smaller_draft_vocabulary_never_cuts_the_target(pair):
+    """Sampling: the speculative output has the target's ids >= 8 at the target's frequency (cutting the
+    target to the draft's 8 ids would emit none), and its 2-token continuations the target's χ² profile."""
+    target, _ = pair
+    t_runner, d_runner = build_runners(target, small_llama(vocab_size=SMALL_DRAFT_VOCAB, seed=1))
+    assert (t_runner.vocab_size, d_runner.vocab_size) == (16, SMALL_DRAFT_VOCAB)
+    proposer, sampling = DraftProposer(d_runner), SamplingParams(temperature=1.0)
+    n = 1000
+    spec = continuations(lambda g: speculative_decode(t_runner, proposer, PROMPT, k=2, max_new_tokens=2,
+                                                      sampling=sampling, generator=g).tokens, n, seed=1)
+    base = continuations(lambda g: target_decode(t_runner, PROMPT, max_new_tokens=2, sampling=sampling, generator=g),
+                         n, seed=2)
+    high = lambda counts: sum(c * sum(t >= SMALL_DRAFT_VOCAB for t in cell) for cell, c in counts.items()) / (2 * n)
+    assert high(base) > 0.4 and abs(high(spec) - high(base)) < 0.05
+    cells = sorted(set(spec) | set(base))
+    frequent = [c for c in cells if spec[c] + base[c] >= 10]
+    rare = [c for c in cells if c not in frequent]
+    rows = [[counts[c] for c in frequent] + [sum(counts[c] for c in rare)] for counts in (spec, base)]
+    assert scipy_stats.chi2_contingency(rows).pvalue > 1e-4
+
+
+@pytest.mark.parametrize("lookup_ngram", [0, 2])
+def test_smaller_draft_vocabulary_greedy_equals_target_only(pair, lookup_ngram):
+    """The draft reads the target's ids >= 8 (it has no rows for them) and the output stays the target's."""
+    target, _ = pair
+    expected = generate(target, REPETITIVE, max_new_tokens=24)
+    assert max(expected.tolist()) >= SMALL_DRAFT_VOCAB
+    out = speculative_generate(target, small_llama(vocab_size=SMALL_DRAFT_VOCAB, seed=1), REPETITIVE, k=3,
+                               max_new_tokens=24, lookup_ngram=lookup_ngram)
+    assert out.tokens.tolist() == expected.tolist()
+
+
+class FixedLogitsRunner:
+    """A Runner whose logits ignore the context: every token a correct loop emits is then an
+    independent draw from the warped target logits."""
+
+    subset = None
+    max_length = 10**6
+    device = torch.device("cpu")
+    hidden_layers = ()
+    hidden_states = None
+
+    def __init__(self, logits: torch.Tensor):
+        self.logits, self.vocab_size, self.length = logits, logits.shape[-1], 0
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def forward(self, ids: torch.Tensor, num_logits: int = 1, full_vocab: bool = True) -> torch.Tensor:
+        self.length += ids.shape[0]
+        return self.logits.expand(num_logits, -1).clone()
+
+    def rollback(self, length: int) -> None:
+        assert 0 <= length <= self.length
+        self.length = length
+
+
+def test_accept_rule_gets_the_sampled_draft_distribution_and_the_same_warp(monkeypatch):
+    """The draft distribution the accept rule sees is the one each token was drawn from, the target is
+    warped by the same SamplingParams as in target-only decoding, and the emitted tokens follow it."""
+    gen = torch.Generator().manual_seed(0)
+    target_logits, draft_logits = 2 * torch.randn(12, generator=gen), 2 * torch.randn(12, generator=gen)
+    sampling = SamplingParams(temperature=0.7, top_k=5, top_p=0.9)
+    seen = []
+
+    def spy(drafted, draft_probs, target_probs, generator, draft_ids):
+        seen.append((draft_probs, target_probs))
+        return verify_block(drafted, draft_probs, target_probs, generator, draft_ids)
+
+    monkeypatch.setattr(decode.speculative, "verify_block", spy)
+    t_runner, proposer = FixedLogitsRunner(target_logits), DraftProposer(FixedLogitsRunner(draft_logits))
+    spec, base = torch.zeros(12), torch.zeros(12)
+    for _ in range(600):
+        out = speculative_decode(t_runner, proposer, PROMPT, k=3, max_new_tokens=8, sampling=sampling, generator=gen)
+        spec += torch.bincount(out.tokens, minlength=12)
+        base += torch.bincount(target_decode(t_runner, PROMPT, max_new_tokens=8, sampling=sampling, generator=gen),
+                               minlength=12)
+    target_probs = sampling.warp(target_logits)
+    assert seen and all(torch.equal(p, sampling.warp(draft_logits)) for probs, _ in seen for p in probs)
+    assert all(torch.equal(t, target_probs.expand_as(t)) for _, t in seen)
+    for counts in (spec, base):
+        support = target_probs > 0
+        assert counts[~support].sum() == 0 and support.sum() < 12  # top-k/top-p cut tokens: never emitted
+        expected = target_probs[support] * counts.sum()
+        assert scipy_stats.chisquare(counts[support].numpy(), expected.numpy()).pvalue > 1e-4
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_lookup_alone_equals_target_only(pair, k):
+    """Prompt lookup with no draft: blocks with no match propose nothing and emit the target's token."""
+    target, _ = pair
+    t_runner, greedy = make_runner(target, 16), SamplingParams()
+    expected = target_decode(t_runner, REPETITIVE, max_new_tokens=24, sampling=greedy)
+    out = speculative_decode(t_runner, LookupProposer(2), REPETITIVE, k=k, max_new_tokens=24, sampling=greedy)
+    assert out.tokens.tolist() == expected.tolist()
+    assert 0 < out.stats.looked_up == out.stats.proposed and out.stats.draft_steps_per_forward == 0
+
+
+def test_stats_round_trip_and_merge_cover_every_field(pair):
+    """to_dict/from_dict/merge are driven by the dataclass fields: a report row rebuilds the stats,
+    and merging two runs adds every count."""
+    target, draft = pair
+    runs = [speculative_generate(target, draft, REPETITIVE, k=3, max_new_tokens=12, temperature=1.0,
+                                 generator=torch.Generator().manual_seed(seed), lookup_ngram=2).stats
+            for seed in (0, 1)]
+    rows = [json.loads(json.dumps(s.to_dict())) for s in runs]
+    assert [SpeculativeStats.from_dict(row) for row in rows] == runs
+    assert rows[0]["alpha"] == runs[0].alpha and rows[0]["tau"] == runs[0].tau
+    merged = runs[0].merge(runs[1])
+    assert merged.emitted == 24 and merged.looked_up == runs[0].looked_up + runs[1].looked_up
+    assert merged.accept_length_hist == [a + b for a, b in zip(runs[0].accept_length_hist,
+                                                               runs[1].accept_length_hist)]

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from decode import generate, speculative_generate
+from decode.errors import UserError
 from decode.models import TokenizerMismatch, check_tokenizers, load_tokenizer
 from tests.conftest import small_llama
 
@@ -27,6 +28,17 @@ def test_different_special_tokens_are_refused():
     vocab = {"<s>": 0, "</s>": 1, "x": 2}
     with pytest.raises(TokenizerMismatch, match="eos_token_id"):
         check_tokenizers(FakeTokenizer(vocab, eos=1), FakeTokenizer(vocab, eos=2))
+
+
+def test_mismatch_is_reported_as_a_user_error():
+    assert issubclass(TokenizerMismatch, UserError)
+
+
+def test_folder_without_tokenizer_files_is_named(tmp_path):
+    """Not transformers' "You need to have sentencepiece or tiktoken installed"."""
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(UserError, match=f"model folder '{tmp_path}' has no tokenizer files"):
+        load_tokenizer(str(tmp_path))
 
 
 def test_real_tokenizer_matches_itself():

@@ -1,7 +1,6 @@
 """The distillation loop (RELIABILITY 13-17, 19, 21): equivalences, resume, crash/SIGTERM safety,
 non-finite guard, DeepSpeed, LoRA, golden losses and a `make distill` smoke run. Tiny models, CPU."""
 
-import hashlib
 import json
 import os
 import signal
@@ -17,13 +16,14 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from decode.config import load_config
+from decode import generate, speculative_generate
+from decode.config import ConfigError, load_config
 from decode.models import load_model, load_tokenizer
-from decode.speculative import generate, speculative_generate
+from decode.vocab import VocabSubset
 from distill.checkpoint import latest_checkpoint
 from distill.data import DataError, StepSampler, load_examples
 from distill.train import NonFiniteError, train
-from distill.train_synthetic import write_scored_shards
+from tests.synthetic_shards import write_manifest, write_scored_shards
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -40,14 +40,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def data(tmp_path_factory):
     """24 train + 8 eval rows of variable length, scored by tiny:target (top-8 cache)."""
     return write_scored_shards(tmp_path_factory.mktemp("data"), load_model("tiny:target"))
-
-
-def refresh_manifest(data_dir: Path) -> None:
-    """After a test edits shards on purpose: a complete manifest matching them (sha256, rows)."""
-    shards = [{"name": p.name, "rows": pq.read_metadata(p).num_rows,
-               "sha256": hashlib.sha256(p.read_bytes()).hexdigest()} for p in sorted(data_dir.glob("*.parquet"))]
-    (data_dir / "manifest.json").write_text(json.dumps({"complete": True, "planned_shards": len(shards),
-                                                        "shards": shards}))
 
 
 def run(data, out, *overrides):
@@ -184,6 +176,19 @@ def test_crash_during_save_keeps_the_previous_checkpoint(data, tmp_path, monkeyp
     summary = run(data, tmp_path, *common)
     assert summary["step"] == 6 and latest_checkpoint(tmp_path).name == "step-6"
     assert not (tmp_path / "checkpoints/.tmp-step-4").exists()
+    # Steps 3 and 4 ran twice (logged, then lost with the failed save): each has one row.
+    rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3, 4, 5, 6]
+
+
+def test_resume_with_a_changed_learning_rate_is_refused(data, tmp_path):
+    common = ["distill.eval_every=0", "distill.save_every=0"]
+    run(data, tmp_path, *common, "distill.max_steps=3", "distill.stop_after=1")
+    with pytest.raises(ConfigError, match=r"distill\.lr: 0\.003 -> 0\.001") as refused:
+        run(data, tmp_path, *common, "distill.max_steps=4", "distill.lr=0.001")
+    assert "max_steps" not in str(refused.value)  # settings that bound the run may change
+    assert latest_checkpoint(tmp_path).name == "step-1"
+    assert run(data, tmp_path, *common, "distill.max_steps=4")["step"] == 4
 
 
 def test_sigterm_saves_at_a_step_boundary_and_exits_cleanly(data, tmp_path):
@@ -215,7 +220,7 @@ def test_non_finite_teacher_never_reaches_the_optimizer(tmp_path):
         rows[2]["teacher_topk_logprobs"][0][0] = float("inf")
         pq.write_table(pa.Table.from_pylist(rows, schema=pq.read_schema(shard)), shard)
         break
-    refresh_manifest(data)
+    write_manifest(data)
     with pytest.raises(NonFiniteError, match=r"step 1 \(epoch 0\).*micro-batch 0.*train examples"):
         run(data, tmp_path / "strict", "distill.micro_batch_size=4", "distill.max_bad_steps=0")
     # Tolerating bad steps: every step holds the poisoned row, so nothing is ever stepped.
@@ -236,6 +241,41 @@ def test_corrupt_shard_is_named(tmp_path):
     shard.write_bytes(shard.read_bytes()[:100])
     with pytest.raises(Exception, match=shard.name):
         load_examples([str(data)], 64, need_topk=True)
+
+
+def test_training_reads_exactly_the_shards_the_manifest_lists(tmp_path):
+    data = write_scored_shards(tmp_path / "data", load_model("tiny:target"), n_train=20, n_eval=4)
+    train_set, eval_set = load_examples([str(data)], 64, need_topk=True)
+    first = sorted(data.glob("*.parquet"))[0]
+    (data / "shard-00000 (copy).parquet").write_bytes(first.read_bytes())  # a stray copy
+    with pytest.warns(UserWarning, match=r"shard-00000 \(copy\)\.parquet.*does not list"):
+        again = load_examples([str(data)], 64, need_topk=True)
+    assert (len(again[0]), len(again[1])) == (len(train_set), len(eval_set))
+
+
+def test_a_shard_that_differs_from_the_manifest_is_refused(tmp_path):
+    data = write_scored_shards(tmp_path / "data", load_model("tiny:target"), n_train=20, n_eval=4)
+    shard = sorted(data.glob("*.parquet"))[1]
+    table = pq.read_table(shard)
+    pq.write_table(table.slice(0, table.num_rows - 1), shard)  # readable, one row short
+    with pytest.raises(DataError, match=f"{shard.name}.*sha256"):
+        load_examples([str(data)], 64, need_topk=True)
+    shard.unlink()
+    with pytest.raises(DataError, match=f"{shard.name}.*missing"):
+        load_examples([str(data)], 64, need_topk=True)
+
+
+def test_export_of_a_finished_run_is_the_draft_it_trained(reference, tmp_path):
+    out = tmp_path / "hf"
+    subprocess.run([PY, "-m", "distill.export", "--run", str(reference), "--out", str(out)], cwd=ROOT, env=ENV,
+                   check=True, capture_output=True, timeout=120)
+    assert_same_weights(out, reference / "final", atol=0)
+    exported, trained = (VocabSubset.from_config(AutoModelForCausalLM.from_pretrained(p).config)
+                         for p in (out, reference / "final"))
+    assert torch.equal(exported.ids, trained.ids) and exported.size == 512
+    assert exported.full_vocab_size == trained.full_vocab_size == 49152
+    for name in ("config.yaml", "metrics.json", "tokenizer.json"):
+        assert (out / name).read_bytes() == (reference / "final" / name).read_bytes()
 
 
 def test_identical_draft_has_zero_kl_and_full_acceptance(tmp_path, data):
@@ -291,7 +331,7 @@ def test_make_distill_smoke(data, tmp_path):
     assert 0 <= metrics["final/alpha"] <= 1 and metrics["final/tau_k4"] >= 1
     assert (out / "wandb_run_id").exists() and (final / "config.yaml").exists()
     draft = AutoModelForCausalLM.from_pretrained(final).eval()
-    assert draft.config.draft_vocab_ids and len(draft.config.draft_vocab_ids) == 512
+    assert VocabSubset.from_config(draft.config).size == 512
     target = load_model("tiny:target")
     prompt = torch.tensor([[1, 400, 401, 402]])
     out_tokens = speculative_generate(target, draft, prompt, k=4, max_new_tokens=8, backend="hf").tokens
@@ -303,7 +343,7 @@ def test_missing_teacher_cache_is_a_clear_error(tmp_path):
     shard_dir.mkdir()
     pq.write_table(pa.Table.from_pylist([dict(prompt_ids=[1, 2], completion_ids=[3], split="train", source="x")]),
                    shard_dir / "a.parquet")
-    refresh_manifest(shard_dir)
+    write_manifest(shard_dir)
     with pytest.raises(DataError, match="teacher_topk"):
         load_examples([str(shard_dir)], 64, need_topk=True)
 
@@ -314,7 +354,7 @@ def test_source_filter_keeps_one_workload(tmp_path):
     rows = [dict(prompt_ids=[1, 2], completion_ids=[3, 4], split=split, source=source)
             for source in ("gsm8k", "freshqa") for split in ("train", "train", "eval")]
     pq.write_table(pa.Table.from_pylist(rows), shard_dir / "a.parquet")
-    refresh_manifest(shard_dir)
+    write_manifest(shard_dir)
     train_set, eval_set = load_examples([str(shard_dir)], 64, need_topk=False, sources=["gsm8k"])
     assert [e.source for e in train_set] == ["gsm8k", "gsm8k"] and [e.source for e in eval_set] == ["gsm8k"]
     assert len(load_examples([str(shard_dir)], 64, need_topk=False)[0]) == 4

@@ -33,6 +33,8 @@ class Runner(Protocol):
     """Positions in the cache."""
     max_length: int
     """The model's context: positions beyond it raise."""
+    device: torch.device
+    """Where the model's weights and cache live."""
     hidden_layers: tuple[int, ...]
     """Decoder layers whose output hidden states each forward keeps (empty: none)."""
     hidden_states: torch.Tensor | None

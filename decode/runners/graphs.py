@@ -1,12 +1,12 @@
-"""The lean runner's forward replayed from CUDA graphs: one captured graph per row count.
+"""A lean runner's forward replayed from CUDA graphs: one captured graph per row count.
 
 Why: at batch 1 on a GPU, a small model's step is bound by launching kernels, not by the GPU. The
 lean forward issues ~33 kernels per layer (about 1,000 per SmolLM2-135M step), each a few
 microseconds of launch and Python; an H200 ran the eager loop at about the CPU's speed. A graph
 launches the whole forward at once.
 
-A graph has fixed shapes and addresses, so the captured forward differs from the eager one in
-three ways (same arithmetic otherwise):
+A graph has fixed shapes and addresses, so the captured forward (`LeanRunner.forward_at`) differs
+from the eager one in three ways (same arithmetic otherwise):
   * it reads its token ids and start position from a static device buffer [M + 1], filled by one
     host-to-device copy (a subset draft's id -> row map is applied inside the graph);
   * it writes keys and values at positions start..start+M-1 by index and attends over the cache's
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from decode.lean import LeanLlamaRunner
+from decode.runners.lean import LeanRunner
 
 # Blocks verify k + 1 <= 9 tokens (k <= 8) and a draft catches up on a few tokens at a time:
 # graphs cover 1..16 rows. Larger feeds are prompt prefill, run once per prompt.
@@ -35,19 +35,18 @@ MIN_CAPACITY = 2048
 class _StaticForward:
     """One row count's input buffer [M + 1] (ids, then the start position), its graph, its output."""
 
-    def __init__(self, runner: GraphLeanRunner, m: int, capture: bool):
-        self.runner, self.m, self.capture = runner, m, capture
-        self.inputs = torch.zeros(m + 1, dtype=torch.long, device=runner.device)
+    def __init__(self, lean: LeanRunner, m: int, capture: bool):
+        self.lean, self.m, self.capture = lean, m, capture
+        self.inputs = torch.zeros(m + 1, dtype=torch.long, device=lean.device)
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.logits: torch.Tensor | None = None  # [M, n_out] fp32, written by each run
+        self.logits: torch.Tensor | None = None  # [M, head rows] fp32, written by each run
 
     def compute(self) -> torch.Tensor:
-        r, m = self.runner, self.m
-        positions = self.inputs[m] + torch.arange(m, device=r.device)  # [M]
-        keys = torch.arange(r.capacity, device=r.device)  # [capacity]
-        mask = (keys[None, :] <= positions[:, None]).repeat(r.n_heads // r.n_kv, 1)  # [group M, capacity]
-        ids = self.inputs[:m] if r.input_map is None else r.input_map[self.inputs[:m]]  # embedding rows
-        return r._head(r._hidden(ids, positions, r.capacity, mask))
+        lean, m = self.lean, self.m
+        positions = self.inputs[m] + torch.arange(m, device=lean.device)  # [M]
+        ids = self.inputs[:m]
+        rows = ids if lean.subset is None else lean.subset.rows(ids)  # embedding rows
+        return lean.forward_at(rows, positions)
 
     def run(self) -> torch.Tensor:
         if not self.capture:  # no CUDA: the same static computation, run eagerly (tests, CPU)
@@ -55,11 +54,12 @@ class _StaticForward:
         elif self.graph is None:
             # Warm-up on a side stream (kernel selection, cuBLAS workspaces), as CUDA graph capture
             # needs. It writes the same keys and values as this call's replay, so it changes nothing.
-            side = torch.cuda.Stream(self.runner.device)
-            side.wait_stream(torch.cuda.current_stream(self.runner.device))
+            device = self.lean.device
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
                 self.compute()
-            torch.cuda.current_stream(self.runner.device).wait_stream(side)
+            torch.cuda.current_stream(device).wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
                 self.logits = self.compute()
@@ -69,42 +69,63 @@ class _StaticForward:
         return self.logits
 
 
-class GraphLeanRunner(LeanLlamaRunner):
-    """`LeanLlamaRunner` whose 1..MAX_GRAPH_ROWS-token forwards replay CUDA graphs.
+class GraphRunner:
+    """Wraps a `LeanRunner`: its 1..MAX_GRAPH_ROWS-token forwards replay CUDA graphs (implements `Runner`).
 
     capture=False runs the graphs' static computation eagerly, on any device (how the CPU tests
-    check it against the eager forward).
-    """
+    check it against the eager forward). Hidden states are not kept (the graphs capture logits only)."""
 
-    def __init__(self, model, vocab_size: int, capture: bool = True):
-        if capture and next(model.parameters()).device.type != "cuda":
+    def __init__(self, lean: LeanRunner, capture: bool = True):
+        if capture and lean.device.type != "cuda":
             raise ValueError("CUDA graphs need a model on a CUDA device")
-        self.capture = capture
+        if lean.hidden_layers:
+            raise ValueError("the CUDA-graph runner keeps no hidden states: "
+                             "use the 'lean' backend for hidden_layers")
+        self.lean, self.capture = lean, capture
+        self.vocab_size, self.subset, self.max_length = lean.vocab_size, lean.subset, lean.max_length
+        self.device = lean.device
+        self.hidden_layers: tuple[int, ...] = ()
+        self.hidden_states = None
         self._forwards: dict[int, _StaticForward] = {}
-        super().__init__(model, vocab_size)
-        self._reserve(min(MIN_CAPACITY, self.max_length))
+        lean.reserve(min(MIN_CAPACITY, self.max_length))
+        self._graph_capacity = lean.capacity  # the cache the graphs were captured on
 
-    def _reserve(self, needed: int) -> None:
-        capacity = self.capacity
-        super()._reserve(needed)
-        if self.capacity != capacity:
-            self._forwards.clear()  # the graphs read the old cache's addresses
+    @property
+    def length(self) -> int:
+        return self.lean.length
+
+    @property
+    def capacity(self) -> int:
+        return self.lean.capacity
+
+    @property
+    def captured(self) -> list[int]:
+        """Row counts whose forward has been captured as a CUDA graph."""
+        return sorted(m for m, static in self._forwards.items() if static.graph is not None)
+
+    def reset(self) -> None:
+        self.lean.reset()
+
+    def rollback(self, length: int) -> None:
+        self.lean.rollback(length)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, num_logits: int = 1, full_vocab: bool = True) -> torch.Tensor:
-        m, start = ids.shape[0], self.length
+        m, start = ids.shape[0], self.lean.length
         if m > MAX_GRAPH_ROWS:
-            return super().forward(ids, num_logits, full_vocab)
+            return self.lean.forward(ids, num_logits, full_vocab)
         assert 1 <= num_logits <= m, (num_logits, m)
-        self._reserve(start + m)
+        self.lean.reserve(start + m)
+        if self.lean.capacity != self._graph_capacity:  # grown here or by an eager forward
+            self._forwards.clear()  # the graphs read the old cache's addresses
+            self._graph_capacity = self.lean.capacity
         static = self._forwards.get(m)
         if static is None:
-            static = self._forwards[m] = _StaticForward(self, m, self.capture)
+            static = self._forwards[m] = _StaticForward(self.lean, m, self.capture)
         host = torch.empty(m + 1, dtype=torch.long)  # token ids, then the start position: one copy
         host[:m] = ids
         host[m] = start
         static.inputs.copy_(host)
         logits = static.run()[-num_logits:].clone()  # the next run overwrites its output
-        self.length = start + m
-        return self._to_vocab(logits, full_vocab)
-
+        self.lean.advance(m)
+        return self.lean.to_vocab(logits, full_vocab)

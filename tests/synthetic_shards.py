@@ -1,20 +1,22 @@
 """Small teacher-scored shards in the generate-data format, made directly from a target model.
 
-For tests and the training benchmark: prompts and completions are random token sequences drawn
-from a fixed pool (so a vocabulary subset is meaningful), scored by the target like
-`generate.mode=score` does: row j of the teacher cache is the target's top-K log-softmax (T = 1)
-for predicting completion token j. Real data comes from `make generate-data`.
+For the training tests and scripts/bench_distill.py: prompts and completions are random token
+sequences drawn from a fixed pool (so a vocabulary subset is meaningful), scored by the target
+like `generate.mode=score` does: row j of the teacher cache is the target's top-K log-softmax
+(T = 1) for predicting completion token j. The schema, the shard writer and the manifest's
+checks are generate-data's own (distill/generation/shards.py). Real data comes from
+`make generate-data`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+
+from distill.generation.shards import rows_to_table, sha256_file, shard_name, write_shard
 
 
 @torch.no_grad()
@@ -43,22 +45,17 @@ def write_scored_shards(out_dir: str | Path, target, *, n_train: int = 24, n_eva
         rows.append(dict(prompt_id=f"p{i}", source="synthetic", split="train" if i < n_train else "eval",
                          mode="score", sample_index=0, prompt_ids=prompt, completion_ids=completion,
                          finish_reason="eos" if completion[-1] == eos_id else "length",
-                         teacher_topk_ids=top.indices.tolist(), teacher_topk_logprobs=top.values.tolist()))
-    schema = pa.schema([("prompt_id", pa.string()), ("source", pa.string()), ("split", pa.string()),
-                        ("mode", pa.string()), ("sample_index", pa.int64()),
-                        ("prompt_ids", pa.list_(pa.int32())), ("completion_ids", pa.list_(pa.int32())),
-                        ("finish_reason", pa.string()),
-                        ("teacher_topk_ids", pa.list_(pa.list_(pa.int32()))),
-                        ("teacher_topk_logprobs", pa.list_(pa.list_(pa.float32())))])
-    shards = []
+                         teacher_topk_ids=top.indices.numpy(), teacher_topk_logprobs=top.values.numpy()))
     for start in range(0, len(rows), rows_per_shard):
-        name = f"shard-{start // rows_per_shard:05d}.parquet"
-        chunk = rows[start:start + rows_per_shard]
-        pq.write_table(pa.Table.from_pylist(chunk, schema=schema), out_dir / name)
-        sha = hashlib.sha256((out_dir / name).read_bytes()).hexdigest()
-        shards.append({"name": name, "rows": len(chunk), "sha256": sha})
-    # The manifest fields generate-data's verify_shards checks (complete run, per-shard sha256/rows).
-    manifest = {"complete": True, "planned_shards": len(shards), "shards": shards, "teacher_topk": topk,
-                "synthetic": True}
-    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        write_shard(rows_to_table(rows[start:start + rows_per_shard], topk), out_dir / shard_name(start // rows_per_shard))
+    write_manifest(out_dir, teacher_topk=topk, synthetic=True)
     return out_dir
+
+
+def write_manifest(data_dir: Path, **fields) -> None:
+    """A complete manifest.json listing every *.parquet in data_dir (sha256, rows): the fields
+    generate-data's verify_shards checks. Tests that edit shards on purpose call it again after."""
+    shards = [{"name": p.name, "rows": pq.read_metadata(p).num_rows, "sha256": sha256_file(p)}
+              for p in sorted(data_dir.glob("*.parquet"))]
+    manifest = {"complete": True, "planned_shards": len(shards), "shards": shards, **fields}
+    (data_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))

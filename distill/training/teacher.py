@@ -1,10 +1,11 @@
-"""The teacher side of a training step: target distributions for the draft's positions.
+"""Both sides of a training step at the same positions: the draft's logits and the teacher's
+target distributions.
 
   cached  top-K log-probs stored by generate-data; no target model at train time
   online  the frozen target runs on every batch (full vocabulary)
 
-Both hand back a `TargetBatch` for the selected positions; `buckets` then puts draft and target
-on one support (see distill/losses.py for how the mass outside the top-K or the subset is kept).
+Both hand back a `TargetBatch` for the loss positions; `buckets` then puts draft and target on
+one support (see distill/losses.py for how the mass outside the top-K or the subset is kept).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from distill.draft import VocabMap
+from decode.vocab import VocabSubset
 from distill.losses import full_vocab_buckets, subset_buckets, topk_buckets
 
 
@@ -45,20 +46,23 @@ def keep_positions(batch: dict) -> torch.Tensor:
     return torch.arange(first, batch["input_ids"].shape[1], device=batch["input_ids"].device)
 
 
+def draft_logits(model, batch: dict, subset: VocabSubset | None) -> torch.Tensor:
+    """Draft logits at the loss positions, fp32 [N, V_draft]; the head runs only from the first
+    completion position on."""
+    ids = batch["input_ids"] if subset is None else subset.rows(batch["input_ids"])
+    keep = keep_positions(batch)
+    logits = model(input_ids=ids, attention_mask=batch["attention_mask"], logits_to_keep=keep).logits
+    return logits[batch["loss_mask"][:, keep]].float()  # [N, V_draft]
+
+
 class Teacher:
-    def __init__(self, kind: str, vocab_map: VocabMap | None, target=None):
+    def __init__(self, kind: str, subset: VocabSubset | None, target=None):
         self.kind = kind
-        self.vocab_map = vocab_map
+        self.subset = subset
+        """The draft's vocabulary subset (on the training device), or None for a full-vocabulary draft."""
         self.target = target  # frozen, eval mode; online only
         if target is not None:
             target.requires_grad_(False)
-
-    def to(self, device) -> "Teacher":
-        if self.vocab_map is not None:
-            self.vocab_map.ids = self.vocab_map.ids.to(device)
-            self.vocab_map.output_rows = self.vocab_map.output_rows.to(device)
-            self.vocab_map.input_rows = self.vocab_map.input_rows.to(device)
-        return self
 
     @torch.no_grad()
     def targets(self, batch: dict) -> TargetBatch:
@@ -74,21 +78,21 @@ class Teacher:
     def buckets(self, draft_logits: torch.Tensor, target: TargetBatch):
         """(draft_logp, target_logp) on a common support, both [N, B]."""
         if target.logits is None:
-            rows = target.topk_ids if self.vocab_map is None else self.vocab_map.output_rows[target.topk_ids]
+            rows = target.topk_ids if self.subset is None else self.subset.output_rows[target.topk_ids]
             # A full-vocabulary draft narrower than the target's padded vocabulary cannot emit those ids.
             rows = torch.where(rows < draft_logits.shape[-1], rows, -1)
             return topk_buckets(draft_logits, rows, target.topk_logp)
-        if self.vocab_map is None:
+        if self.subset is None:
             return full_vocab_buckets(draft_logits, target.logits)
-        return subset_buckets(draft_logits, target.logits, self.vocab_map.ids)
+        return subset_buckets(draft_logits, target.logits, self.subset.ids)
 
     def decode_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """The draft as the decoder uses it: a subset draft's "other" row never wins or gets mass."""
-        if self.vocab_map is None:
+        if self.subset is None:
             return draft_logits
         return torch.cat([draft_logits[:, :-1], torch.full_like(draft_logits[:, -1:], float("-inf"))], -1)
 
     def draft_top1(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """[N] the draft's greedy choice as a full-vocabulary id."""
         rows = self.decode_logits(draft_logits).argmax(-1)
-        return rows if self.vocab_map is None else self.vocab_map.ids[rows]
+        return rows if self.subset is None else self.subset.token_ids(rows)

@@ -1,5 +1,9 @@
 """Metrics out of the training loop (main process only): metrics.jsonl, W&B, a tqdm bar.
 
+metrics.jsonl holds one row per logged step. A run that starts from step N (a resume, or a
+fresh start in a folder a crashed run left) first drops the rows of steps after N: those steps
+are replayed, and their rows would otherwise appear twice.
+
 W&B (decode.tracking): offline unless the user is logged in. The run id is kept in
 <out_dir>/wandb_run_id so a resumed run continues the same W&B run.
 """
@@ -7,12 +11,34 @@ W&B (decode.tracking): offline unless the user is logged in. The run id is kept 
 from __future__ import annotations
 
 import json
+import math
+import os
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
 from decode.config import config_to_dict
 from decode.tracking import start_wandb
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Keep only the rows of steps <= last_step (written to a temp file, then renamed)."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines()
+    kept = [line for line in lines if _row_step(line) <= last_step]
+    if len(kept) == len(lines):
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
+def _row_step(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except json.JSONDecodeError:  # a row torn by a kill mid-write: dropped with the replayed ones
+        return math.inf
 
 
 class RunLogger:
@@ -24,6 +50,7 @@ class RunLogger:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = out_dir / "metrics.jsonl"
+        truncate_metrics(self.metrics_path, start_step)
         self.run = start_wandb(config.wandb.mode, config.wandb.project, config.name, out_dir,
                                config_to_dict(config), job_type="distill", resume_id_file=out_dir / "wandb_run_id")
         self.bar = tqdm(total=config.distill.max_steps, initial=start_step, desc="distill", dynamic_ncols=True)

@@ -16,6 +16,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from decode.errors import UserError
+
 SCHEMA = pa.schema([
     ("prompt_id", pa.string()),
     ("source", pa.string()),
@@ -30,7 +32,7 @@ TOPK_FIELDS = [("teacher_topk_ids", pa.list_(pa.list_(pa.int32()))),          # 
                ("teacher_topk_logprobs", pa.list_(pa.list_(pa.float32())))]  # [n_completion, K]
 
 
-class CorruptShardError(ValueError):
+class CorruptShardError(UserError):
     """A shard is missing, unreadable, or differs from what the manifest recorded."""
 
 

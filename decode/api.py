@@ -1,0 +1,64 @@
+"""The one-call API over Hugging Face causal LMs: check the arguments, build the runners and the
+proposer, run the loops of decode/speculative.py.
+
+    from decode import generate, speculative_generate
+    tokens = generate(target, input_ids, max_new_tokens=64, temperature=0.7, generator=g)
+    out = speculative_generate(target, draft, input_ids, k=4, max_new_tokens=64, lookup_ngram=3)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from decode.checks import check_int, prompt_ids
+from decode.proposers import check_lookup_ngram, make_proposer
+from decode.runners import Runner, make_runner
+from decode.sampling import SamplingParams
+from decode.speculative import SpeculativeOutput, speculative_decode, target_decode
+from decode.vocab import model_vocab_size
+
+
+def build_runners(target: torch.nn.Module, draft: torch.nn.Module, backend: str = "auto") -> tuple[Runner, Runner]:
+    """(target runner, draft runner). The target's runner speaks its whole vocabulary, whatever the
+    draft's. A draft with padded embedding rows beyond the target's vocabulary is cut to it; a draft
+    with fewer rows (and no subset) keeps them, and gives every id above them probability 0."""
+    target_vocab = model_vocab_size(target)
+    draft_vocab = min(model_vocab_size(draft), target_vocab)
+    return make_runner(target, target_vocab, backend), make_runner(draft, draft_vocab, backend)
+
+
+def generate(target: torch.nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+             eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None,
+             backend: str = "auto") -> torch.Tensor:
+    """Target-only decoding of input_ids (a LongTensor [1, L]): the new tokens as a 1-D LongTensor.
+    Same runner and sampler as `speculative_generate`."""
+    sampling = SamplingParams(temperature, top_k, top_p)
+    vocab = model_vocab_size(target)
+    prompt_ids(input_ids, vocab)
+    check_int("max_new_tokens", max_new_tokens, 1)
+    return target_decode(make_runner(target, vocab, backend), input_ids, max_new_tokens=max_new_tokens,
+                         sampling=sampling, eos_token_id=eos_token_id, generator=generator)
+
+
+def speculative_generate(target: torch.nn.Module, draft: torch.nn.Module, input_ids: torch.Tensor, *, k: int,
+                         max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                         eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None,
+                         backend: str = "auto", lookup_ngram: int = 0) -> SpeculativeOutput:
+    """Lossless speculative decoding: output distributed exactly as `generate(target, ...)`.
+
+    `target` and `draft` are Hugging Face causal LMs sharing a tokenizer; input_ids is [1, L].
+    lookup_ngram > 0 (at least 2) adds prompt lookup (`decode.lookup`): where the last n tokens
+    (n = lookup_ngram down to 2) occurred earlier in the prompt or output, the token that followed
+    them is proposed with probability 1 instead of running the draft. The proposal still depends
+    only on the text so far, so the acceptance rule keeps the output exactly the target's.
+    """
+    sampling = SamplingParams(temperature, top_k, top_p)
+    prompt_ids(input_ids, model_vocab_size(target))
+    check_int("k", k, 1)
+    check_int("max_new_tokens", max_new_tokens, 1)
+    check_lookup_ngram(lookup_ngram)
+    target_runner, draft_runner = build_runners(target, draft, backend)
+    return speculative_decode(target_runner, make_proposer(draft_runner, lookup_ngram), input_ids, k=k,
+                              max_new_tokens=max_new_tokens, sampling=sampling, eos_token_id=eos_token_id,
+                              generator=generator)

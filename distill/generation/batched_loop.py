@@ -1,0 +1,96 @@
+"""The token loop over a BatchedRunner (decode/runners/protocol.py): batched sampling and
+teacher-forced scoring.
+
+Each row draws its tokens from its own stream of uniforms (`uniforms[b, t]` for step t) through
+`decode.sampling.sample_rows`, so a completion depends on neither its batch nor its neighbours (up
+to float rounding of batched GEMMs, which moves a draw only when a uniform lands within ~1e-9 of a
+CDF step).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from decode.sampling import NUCLEUS_CANDIDATES, SamplingParams, sample_rows
+from distill.generation.engine import Completion
+
+# Compact the cache once this fraction of its rows has finished: a compaction copies the filled
+# cache (~1 GB at 128 rows x 200 slots for SmolLM2), about the cost of one decode step, while
+# every step after it saves the finished fraction of the batch's compute.
+COMPACT_DEAD_FRACTION = 0.25
+# Scoring computes the LM head for at most this many positions at once
+# (2048 x 49152 vocab x 4 B = 400 MB of fp32 logits).
+SCORE_HEAD_POSITIONS = 2048
+
+
+def generate_batch(runner, prompts: list[list[int]], uniforms: torch.Tensor, *, max_new_tokens: int,
+                   sampling: SamplingParams, eos_ids: list[int], teacher_topk: int = 0) -> list[Completion]:
+    """Sample one completion per prompt. uniforms: [B, max_new_tokens] in [0, 1)."""
+    B = len(prompts)
+    logits = runner.prefill(prompts, capacity=max(map(len, prompts)) + max_new_tokens)  # [B, V]
+    device = logits.device
+    eos = torch.tensor(eos_ids)
+    tokens = torch.zeros(B, max_new_tokens, dtype=torch.long)
+    lengths = torch.full((B,), max_new_tokens, dtype=torch.long)
+    finished_eos = torch.zeros(B, dtype=torch.bool)
+    topk_ids = torch.zeros(B, max_new_tokens, teacher_topk, dtype=torch.int32)
+    topk_logprobs = torch.zeros(B, max_new_tokens, teacher_topk, dtype=torch.float32)
+    # One topk serves the teacher cache and the top-k/top-p candidates (temperature keeps the order).
+    candidate_count = max(teacher_topk, NUCLEUS_CANDIDATES if sampling.top_k == 0 else sampling.top_k)
+    share_candidates = teacher_topk or (not sampling.greedy and sampling.top_p < 1)
+    rows = torch.arange(B)  # original row of each cache row
+    alive = torch.ones(B, dtype=torch.bool)  # per cache row
+    for t in range(max_new_tokens):
+        candidates = logits.topk(candidate_count, dim=-1) if share_candidates else None
+        if teacher_topk:
+            # log_softmax at temperature 1 of the K largest logits: logit - logsumexp(all logits).
+            alive_d = alive.to(device)
+            values = candidates[0][alive_d, :teacher_topk] - logits[alive_d].logsumexp(-1, keepdim=True)
+            topk_ids[rows[alive], t] = candidates[1][alive_d, :teacher_topk].to(torch.int32).cpu()
+            topk_logprobs[rows[alive], t] = values.cpu()  # [b, K]
+        next_ids = sample_rows(logits, uniforms[rows, t].to(device), sampling, candidates)  # [cache rows]
+        next_cpu = next_ids.cpu()
+        tokens[rows[alive], t] = next_cpu[alive]
+        just_ended = alive & torch.isin(next_cpu, eos)
+        lengths[rows[just_ended]] = t + 1
+        finished_eos[rows[just_ended]] = True
+        alive &= ~just_ended
+        if t == max_new_tokens - 1 or not alive.any():
+            break
+        if (~alive).sum() >= COMPACT_DEAD_FRACTION * len(alive):
+            keep = alive.nonzero().squeeze(-1)
+            runner.keep(keep.to(device))
+            rows, alive, next_ids = rows[keep], alive[keep], next_ids[keep.to(device)]
+        logits = runner.step(next_ids)
+    return [Completion(tokens[b, :n].numpy().astype(np.int32), "eos" if finished_eos[b] else "length",
+                       topk_ids[b, :n].numpy() if teacher_topk else None,
+                       topk_logprobs[b, :n].numpy() if teacher_topk else None)
+            for b, n in enumerate(lengths.tolist())]
+
+
+def score_batch(runner, prompts: list[list[int]], completions: list[list[int]],
+                teacher_topk: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Teacher-forced target over prompt + completion -> per completion token (topk ids, logprobs)."""
+    sequences = [p + c for p, c in zip(prompts, completions)]
+    L = max(map(len, sequences))
+    hidden = runner.prefill(sequences, capacity=L, all_hidden=True)  # [B, L, H], left-padded
+    # Completion token j of row b sits at slot pad + len(prompt) + j and is predicted from the slot before.
+    where = [(b, L - len(s) + len(p) - 1 + j) for b, (s, p, c) in enumerate(zip(sequences, prompts, completions))
+             for j in range(len(c))]
+    index_b = torch.tensor([b for b, _ in where], dtype=torch.long)
+    index_slot = torch.tensor([s for _, s in where], dtype=torch.long)
+    ids_parts, logprob_parts = [], []
+    for start in range(0, len(where), SCORE_HEAD_POSITIONS):
+        chunk = slice(start, start + SCORE_HEAD_POSITIONS)
+        logits = runner.logits(hidden[index_b[chunk], index_slot[chunk]])  # [n, V]
+        values, ids = logits.log_softmax(-1).topk(teacher_topk, dim=-1)
+        ids_parts.append(ids.to(torch.int32).cpu())
+        logprob_parts.append(values.cpu())
+    ids_all = torch.cat(ids_parts).numpy() if ids_parts else np.zeros((0, teacher_topk), np.int32)
+    logprobs_all = torch.cat(logprob_parts).numpy() if logprob_parts else np.zeros((0, teacher_topk), np.float32)
+    out, offset = [], 0
+    for c in completions:
+        out.append((ids_all[offset:offset + len(c)], logprobs_all[offset:offset + len(c)]))
+        offset += len(c)
+    return out

@@ -1,0 +1,62 @@
+"""Which settings a resumed run may change.
+
+A run resumes from its latest checkpoint only under the settings it was started with (the
+config.yaml it wrote), except those that bound the run or only report on it: changing the
+learning rate, the loss, the data or the model halfway would give a draft that no single
+config describes, so that is refused, naming the settings.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from decode.config import ConfigError, config_to_dict
+
+# How long the run goes, how often it evaluates/saves, and what it reports: the weights of a step
+# do not depend on them. distill.max_steps also sets where the cosine schedule ends, so raising it
+# to continue a finished run changes the learning rate of the steps after the resume (allowed: that
+# is what continuing means). The other stages' sections (generate, eval, draft) are not read here.
+MAY_CHANGE = ("name", "draft", "generate.", "eval.", "wandb.", "distill.out_dir", "distill.resume",
+              "distill.max_steps", "distill.max_minutes", "distill.stop_after", "distill.eval_every",
+              "distill.save_every", "distill.keep_checkpoints", "distill.early_stop_patience",
+              "distill.max_bad_steps", "distill.tau_k")
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and key != "loss":  # distill.loss is one setting (a weight map)
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+class _Absent:
+    """A setting one of the two configs lacks (the config schema changed in between)."""
+
+    def __repr__(self) -> str:
+        return "(absent)"
+
+
+def changed_settings(before: dict, now: dict) -> list[str]:
+    """'key: old -> new' for each setting that differs and may not change on a resume."""
+    before, now, absent = _flatten(before), _flatten(now), _Absent()
+    return [f"{key}: {before.get(key, absent)!r} -> {now.get(key, absent)!r}"
+            for key in sorted(before.keys() | now.keys())
+            if not key.startswith(MAY_CHANGE) and before.get(key, absent) != now.get(key, absent)]
+
+
+def check_resumable(config, out_dir: Path, checkpoint: Path) -> None:
+    """Raise ConfigError when `config` changes a setting the run in out_dir was started with."""
+    written = out_dir / "config.yaml"
+    if not written.is_file():
+        raise ConfigError(f"cannot resume from {checkpoint}: {written} is missing, so the run's settings are "
+                          f"unknown; train into a new distill.out_dir")
+    changed = changed_settings(yaml.safe_load(written.read_text()), config_to_dict(config))
+    if changed:
+        raise ConfigError(f"cannot resume from {checkpoint} with changed settings (the run was started with "
+                          f"{written}):\n  " + "\n  ".join(changed) +
+                          "\nput them back, or train into a new distill.out_dir")
