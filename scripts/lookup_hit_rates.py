@@ -16,12 +16,11 @@ import argparse
 
 import torch
 
+from decode.api import build_runners
 from decode.models import EMBEDDED, load_model, load_tokenizer
 from decode.prompts import load_prompt_set, read_split_prompts
-from decode.runners import make_runner
 from decode.sampling import SamplingParams
 from decode.speculative import target_decode
-from decode.vocab import model_vocab_size
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -50,8 +49,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     tokenizer = load_tokenizer(EMBEDDED)
     target, draft = load_model(EMBEDDED).eval(), load_model(args.draft).eval()
-    vocab = min(model_vocab_size(target), model_vocab_size(draft))
-    target_runner, draft_runner = make_runner(target, vocab), make_runner(draft, vocab)
+    target_runner, draft_runner = build_runners(target, draft)
     prompt_sets = {"in-domain": read_split_prompts(args.data, "eval")[: args.in_domain],
                    "humaneval": load_prompt_set("humaneval", tokenizer, limit=args.humaneval)}
     print(f"{'prompts':<10} {'n':>2} {'positions':>9} {'draft right':>11} {'match exists':>12} "
