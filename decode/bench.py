@@ -4,8 +4,9 @@
 
 Setup (config, prompts, models, tokenizer check, runners, proposers) -> warm-up -> cost model
 (c, r(k)) -> for each temperature and prompt: target-only, then speculative for every k and
-proposer, interleaved in one process on the same runners -> HF generate comparisons ->
-report.json / report.md / plots / samples.jsonl (+ W&B).
+proposer, interleaved in one process on the same runners -> HF generate comparisons -> the cost
+model again (did the machine's load change?) -> timing reliability -> report.json / report.md /
+plots / samples.jsonl (+ W&B). Unreliable timings withhold the go/no-go verdict.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from decode.runners import Runner
 from decode.sampling import SamplingParams
 from decode.speculative import speculative_decode, target_decode
 from decode.stats import SpeculativeStats, predicted_speedup
-from decode.timing import cost_model, timed
+from decode.timing import cost_model, timed, timing_reliability
 from decode.tracking import start_wandb
 from decode.vocab import VocabSubset
 
@@ -156,7 +157,11 @@ def aggregate(runs: list[dict], cost: dict) -> list[dict]:
     return rows
 
 
-def verdict(results: list[dict]) -> str:
+def verdict(results: list[dict], reliability: dict) -> str:
+    """GO / NO-GO from the best row, or withheld when a busy machine made the timings unreliable."""
+    if not reliability["reliable"]:
+        return ("VERDICT WITHHELD: timings unreliable: machine busy (see timing reliability); "
+                "rerun eval-speedup on an otherwise idle machine before trusting any speedup here.")
     best = max(results, key=lambda r: r["speedup"])
     if best["speedup"] > 1.05:
         return (f"GO: this draft{' with prompt lookup' if best['proposer'] != 'draft' else ''} speeds up "
@@ -166,16 +171,25 @@ def verdict(results: list[dict]) -> str:
             f"{best['prompt_set']}); target-only decoding is as fast or faster here.")
 
 
+def first_prompt_ids(s: Setup) -> list[int]:
+    """The first prompt's tokens: the warm-up's input and the context both cost models are measured at."""
+    return list(next(iter(s.prompt_sets.values()))[0].token_ids)
+
+
 def warm_up_and_cost(s: Setup) -> dict:
     """Untimed warm-up (first calls allocate caches and pick kernels), then the cost model c, r(k)."""
     ev = s.cfg.eval
-    first = torch.tensor([next(iter(s.prompt_sets.values()))[0].token_ids])
+    first = torch.tensor([first_prompt_ids(s)])
     greedy = SamplingParams()
     for _ in range(ev.warmup):
         target_decode(s.target_runner, first, max_new_tokens=8, sampling=greedy)
         speculative_decode(s.target_runner, s.proposers["draft"], first, k=max(ev.ks), max_new_tokens=8,
                            sampling=greedy)
-    return cost_model(s.target_runner, s.draft_runner, list(first[0].tolist()), ev.r_max_k)
+    return measure_cost(s)
+
+
+def measure_cost(s: Setup) -> dict:
+    return cost_model(s.target_runner, s.draft_runner, first_prompt_ids(s), s.cfg.eval.r_max_k)
 
 
 def measure(s: Setup) -> tuple[list[dict], list[dict], dict[tuple[str, str], list[int]]]:
@@ -243,7 +257,10 @@ def main(argv: list[str] | None = None) -> dict:
     runs, samples, greedy_tokens = measure(s)
     results = aggregate(runs, cost)
     hf_rows = hf_comparisons(s, results, greedy_tokens) if cfg.eval.hf_baselines else []
-    report = build_report(s, argv, cost, results, hf_rows, runs)
+    # The same measurement after every timed run, on the same runners: a machine whose load changed
+    # during the run shows as a different target step (one of the timing-reliability signals).
+    cost_end = measure_cost(s)
+    report = build_report(s, argv, cost, cost_end, results, hf_rows, runs)
     write_outputs(report, samples, s.out_dir)
     if tracker is not None:
         log_to_wandb(tracker, report)
@@ -251,8 +268,8 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
-def build_report(s: Setup, argv: list[str] | None, cost: dict, results: list[dict], hf_rows: list[dict],
-                 runs: list[dict]) -> dict:
+def build_report(s: Setup, argv: list[str] | None, cost: dict, cost_end: dict, results: list[dict],
+                 hf_rows: list[dict], runs: list[dict]) -> dict:
     cfg = s.cfg
     target_params, draft_params = param_count(s.target), param_count(s.draft)
     subset = VocabSubset.from_config(s.draft.config)
@@ -268,9 +285,10 @@ def build_report(s: Setup, argv: list[str] | None, cost: dict, results: list[dic
         "draft": {"ref": cfg.draft, "params": draft_params, "param_ratio": draft_params / target_params,
                   "vocab_subset": subset.size if subset is not None else None},
         "prompt_sets": {name: [p.prompt_id for p in prompts] for name, prompts in s.prompt_sets.items()},
-        "cost_model": cost, "results": results, "hf": hf_rows, "runs": runs,
+        "cost_model": cost, "cost_model_end": cost_end, "results": results, "hf": hf_rows, "runs": runs,
     }
-    report["verdict"] = verdict(results)
+    report["timing_reliability"] = timing_reliability(report, s.device.type)
+    report["verdict"] = verdict(results, report["timing_reliability"])
     return report
 
 
@@ -278,7 +296,8 @@ def log_to_wandb(tracker, report: dict) -> None:
     for row in report["results"]:
         tracker.log({f"{row['prompt_set']}/T{row['temperature']}/{row['proposer']}/k{row['k']}/{m}": row[m]
                      for m in ("alpha", "tau", "speedup", "predicted_speedup") if row[m] is not None})
-    tracker.summary.update({"verdict": report["verdict"], "c": report["cost_model"]["c"]})
+    tracker.summary.update({"verdict": report["verdict"], "c": report["cost_model"]["c"],
+                            "timing_reliable": report["timing_reliability"]["reliable"]})
     tracker.finish()
 
 
@@ -335,6 +354,11 @@ def write_outputs(report: dict, samples: list[dict], out_dir: Path) -> None:
 
 
 def print_headline(report: dict, out_dir: Path) -> None:
+    reliability = report["timing_reliability"]
+    if not reliability["reliable"]:
+        print("\ntimings unreliable: machine busy; the go/no-go verdict is withheld:")
+        for reason in reliability["reasons"]:
+            print(f"  - {reason}")
     print(f"\n{'prompts':<22}{'T':>5}{'proposer':>14}{'k':>4}{'alpha':>8}{'tau':>7}{'speedup':>9}{'pred':>7}"
           "  greedy-identical")
     for r in report["results"]:

@@ -131,6 +131,9 @@ class DistillConfig:
     weight_decay: float = 0.0
     warmup_steps: int = 20
     max_steps: int = 200
+    lr_schedule_steps: int = 0
+    """Step where the cosine schedule reaches its floor (0 = max_steps). Above max_steps, a run
+    stops while the learning rate is still high, after the same steps on a fast or a busy machine."""
     max_minutes: float = 0.0
     """Stop training after this many minutes of wall-clock (0 = no limit)."""
     grad_clip: float = 1.0
@@ -179,6 +182,8 @@ class DistillConfig:
         for name in ("micro_batch_size", "grad_accum", "max_steps", "max_seq_len", "tau_k"):
             if getattr(self, name) < 1:
                 out.append(f"distill.{name} must be >= 1")
+        if self.lr_schedule_steps < 0:
+            out.append(f"distill.lr_schedule_steps={self.lr_schedule_steps} must be >= 0 (0 = max_steps)")
         if self.deepspeed_config and not Path(self.deepspeed_config).is_file():
             out.append(f"distill.deepspeed_config: {self.deepspeed_config!r} does not exist")
         return out

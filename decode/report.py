@@ -9,9 +9,27 @@ def _fmt(x, digits=2, unit=""):
     return "–" if x is None else f"{x:.{digits}f}{unit}"
 
 
+def reliability_lines(reliability: dict) -> list[str]:
+    """The report's first lines: a warning with its reasons when a busy machine made the timings
+    unreliable, else one line of the figures that say it was quiet."""
+    if not reliability["reliable"]:
+        return (["**Timings unreliable: machine busy.** The go/no-go verdict is withheld; rerun on an "
+                 "otherwise idle machine before trusting any speedup below. Why:", ""]
+                + [f"- {reason}" for reason in reliability["reasons"]] + [""])
+    figures = reliability["figures"]
+    spread = max(figures["target_only_spread"].values(), default=None)
+    band = figures["measured_over_predicted"] or (None, None)
+    step = figures["target_step_ms"]
+    hf = max(figures["hf_greedy_over_ours"].values(), default=None)
+    return [f"Timings reliable: target-only spread across prompts ≤ {_fmt(spread)}, measured ÷ predicted "
+            f"{_fmt(band[0])}–{_fmt(band[1])}, target step {step['start']:.1f} ms before the timed runs and "
+            f"{step['end']:.1f} ms after, HF greedy ≤ {_fmt(hf)}× our target-only.", ""]
+
+
 def write_markdown(report: dict, path: Path) -> None:
-    cm = report["cost_model"]
+    cm, cm_end = report["cost_model"], report["cost_model_end"]
     lines = [f"# Speculative decoding report: {report['config']['name']}", "",
+             *reliability_lines(report["timing_reliability"]),
              f"- command: `{report['command']}`",
              f"- date: {report['date']} · device: {report['device']} · git {report['git_sha']}",
              f"- target `{report['target']['ref']}` ({report['target']['params'] / 1e6:.1f}M params), "
@@ -42,7 +60,9 @@ def write_markdown(report: dict, path: Path) -> None:
               f"Measured at a {cm['context_tokens']}-token context: target step {cm['target_step_ms']:.2f} ms, "
               f"draft step {cm['draft_step_ms']:.2f} ms, c = {cm['c']:.3f}. "
               "Predicted speedup = τ / (s·c + r(k)), s = draft forwards per target forward "
-              "(k for the draft alone, fewer with prompt lookup).", "",
+              "(k for the draft alone, fewer with prompt lookup). "
+              f"Measured again after the timed runs: target step {cm_end['target_step_ms']:.2f} ms, "
+              f"draft step {cm_end['draft_step_ms']:.2f} ms, c = {cm_end['c']:.3f}.", "",
               "| k | " + " | ".join(str(k) for k in cm["r"]) + " |",
               "|---|" + "---|" * len(cm["r"]),
               "| r(k) | " + " | ".join(f"{v:.2f}" for v in cm["r"].values()) + " |"]

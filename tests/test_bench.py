@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from decode.bench import setup
+from decode.config import load_config
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -36,8 +39,15 @@ def check_report(eval_dir, ks, temperatures, proposers=("draft",)):
         if row["temperature"] == 0:
             assert row["greedy_identical"] is True
     assert all(run["greedy_identical"] for run in report["runs"] if run["temperature"] == 0)
-    cost = report["cost_model"]
-    assert cost["c"] > 0 and set(map(int, cost["r"])) == set(range(1, 5))
+    for cost in (report["cost_model"], report["cost_model_end"]):  # before and after the timed runs
+        assert cost["c"] > 0 and set(map(int, cost["r"])) == set(range(1, 5))
+    reliability = report["timing_reliability"]
+    assert set(reliability) == {"reliable", "reasons", "figures", "limits"}
+    assert reliability["reliable"] == (not reliability["reasons"])
+    # Unreliable timings (tiny models may give them) head report.md and withhold the verdict.
+    third_line = markdown.splitlines()[2]
+    assert third_line.startswith("Timings reliable:" if reliability["reliable"] else "**Timings unreliable")
+    assert ("WITHHELD" in report["verdict"]) == (not reliability["reliable"])
     assert {r["method"] for r in report["hf"]} == {"hf greedy", "hf assisted", "hf prompt lookup"}
     assert report["git_sha"] and report["versions"]["torch"]
     for name in ("report.md", "acceptance_by_position.png", "speedup_vs_k.png", "samples.jsonl"):
@@ -53,6 +63,7 @@ def test_eval_speedup_with_an_untrained_draft(tmp_path):
                   "eval.lookup_ngram=3")
     assert "full report:" in result.stdout
     report = check_report(tmp_path, ks=[2, 4], temperatures=[0.0, 0.7], proposers=("draft", "draft+lookup"))
+    assert ("timings unreliable: machine busy" in result.stdout) == (not report["timing_reliability"]["reliable"])
     lookup_rows = [r for r in report["results"] if r["proposer"] == "draft+lookup"]
     # GSM8K questions repeat phrases, so prompt lookup proposes some tokens in place of draft forwards.
     assert sum(r["looked_up"] for r in lookup_rows) > 0
@@ -82,3 +93,10 @@ def test_generate_distill_eval_pipeline(tmp_path):
     report = check_report(run / "eval", ks=[2, 4], temperatures=[0.0, 0.7])
     assert report["draft"]["vocab_subset"] == 512
     assert list(report["prompt_sets"]) == ["data:eval"]
+
+
+def test_a_draft_not_smaller_than_the_target_warns():
+    # RELIABILITY 23: the target as its own draft can never speed it up.
+    cfg = load_config("configs/tiny.yaml", ["draft=tiny:target", "eval.prompts=[gsm8k]"])
+    with pytest.warns(UserWarning, match=r"the draft \([\d,]+ params\) is not smaller than the target"):
+        setup(cfg)

@@ -8,11 +8,14 @@ import torch
 
 
 def lr_lambda(dc):
-    """Linear warmup over warmup_steps, then cosine decay to 10% of lr at max_steps (nanoGPT)."""
+    """Linear warmup over warmup_steps, then cosine decay to 10% of lr at lr_schedule_steps
+    (0 = max_steps; nanoGPT). A horizon past max_steps stops the run before the LR has decayed."""
+    horizon = dc.lr_schedule_steps or dc.max_steps
+
     def factor(step: int) -> float:
         if step < dc.warmup_steps:
             return (step + 1) / dc.warmup_steps
-        progress = min(1.0, (step - dc.warmup_steps) / max(1, dc.max_steps - dc.warmup_steps))
+        progress = min(1.0, (step - dc.warmup_steps) / max(1, horizon - dc.warmup_steps))
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
     return factor
 
