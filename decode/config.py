@@ -113,6 +113,11 @@ class DistillConfig:
     """Draft depth; shallow and wide is faster per step."""
     vocab_subset: int = 0
     """Draft output vocabulary: the N most frequent tokens in the data (0 = full vocabulary)."""
+    spread_other: bool = False
+    """With a vocab_subset: train the "other" row as its mass spread evenly over the tokens outside the
+    subset, so `python -m distill.export --format hf-full` gives a full-vocabulary draft with exactly the
+    trained distribution. The decoder then samples such a draft over the full vocabulary (its speed and
+    acceptance against the default are not measured yet, hence off by default)."""
     embed_init: str = "target"
     """'target' initialises draft embeddings from a low-rank projection of the target's; 'random' does not."""
     lora_rank: int = 0

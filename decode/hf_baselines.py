@@ -16,14 +16,15 @@ from decode.vocab import VocabSubset
 
 def full_vocab_view(draft):
     """The same vocabulary-subset draft presented to HF assisted generation as a full-vocabulary
-    model: input ids are mapped to the subset's rows and logits spread back with -inf elsewhere.
+    model: input ids are mapped to the subset's rows and logits put back over the full vocabulary
+    (VocabSubset.full_logits).
     A subclass of the draft's own class, so HF's generation machinery treats it as usual."""
     subset = VocabSubset.of(draft)
 
     class FullVocabDraft(type(draft)):
         def forward(self, input_ids=None, **kwargs):
             out = super().forward(input_ids=subset.rows(input_ids), **kwargs)
-            out.logits = subset.spread(out.logits)
+            out.logits = subset.full_logits(out.logits)
             return out
 
     view = FullVocabDraft(copy.deepcopy(draft.config))

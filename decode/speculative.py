@@ -16,7 +16,8 @@ it with probability target_probs_i[d_i] and a rejection samples the target witho
 
 A vocabulary-subset draft is warped and sampled over its N rows: warping the full vocabulary
 with -inf outside the subset gives the same distribution with zeros outside it, and only the
-rejection step needs it spread over the full vocabulary.
+rejection step needs it spread over the full vocabulary. A spread_other subset draft
+(decode/vocab.py) is warped and sampled over the full vocabulary like any other draft.
 
 The one-call API over Hugging Face models (`decode.generate`, `decode.speculative_generate`) is
 decode/api.py; the evaluation (decode/bench.py) calls these runner-level loops directly.

@@ -2,39 +2,56 @@
 
 A subset draft has an embedding and a tied head of N + 1 rows: row i stands for full-vocabulary
 token `ids[i]`, and row N ("other") stands on input for every token outside the subset. Its output
-logit is only used in training (the mass outside the subset); the decoder gives the draft
-probability 0 outside the subset, which keeps the acceptance rule exact.
+logit means one of two things, recorded per draft:
+  spread_other  (new drafts) the logit of EACH of the V - N tokens outside the subset: training counts
+                it V - N times in the softmax (+ log(V - N)), the decoder puts it at every outside id.
+                Copying the other row to every outside row then gives a plain full-vocabulary model
+                with exactly this distribution (distill/export/hf_full.py), which serving engines load.
+  otherwise     (drafts trained before) the mass outside the subset, used only in training; the
+                decoder gives the draft probability 0 outside the subset.
+Either way the decoder samples from, and the acceptance rule sees, the same distribution.
 
-On disk the subset travels in the draft's HF config as two attributes, written and read only here:
-  draft_vocab_ids  [N] full-vocabulary id of each row
-  full_vocab_size  the target's vocabulary size
+On disk the subset travels in the draft's HF config as three attributes, written and read only here:
+  draft_vocab_ids     [N] full-vocabulary id of each row
+  full_vocab_size     the target's vocabulary size
+  draft_spread_other  True for a spread_other draft (absent: False)
 Training (distill/), decoding (runners, proposers), the HF baseline and export all use this type.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 IDS_ATTR = "draft_vocab_ids"
 FULL_SIZE_ATTR = "full_vocab_size"
+SPREAD_ATTR = "draft_spread_other"
 
 
 class VocabSubset:
     """Full-vocabulary ids <-> draft rows."""
 
-    def __init__(self, ids, full_vocab_size: int, device: torch.device | str = "cpu"):
+    def __init__(self, ids, full_vocab_size: int, device: torch.device | str = "cpu", spread_other: bool = False):
         self.ids = torch.as_tensor(ids, dtype=torch.long, device=device)  # [N] full id of row i
         if self.ids.dim() != 1 or self.ids.numel() == 0:
             raise ValueError("a vocabulary subset needs a non-empty 1-D list of token ids")
         if int(self.ids.min()) < 0 or int(self.ids.max()) >= full_vocab_size:
             raise ValueError(f"vocabulary subset ids must lie in [0, {full_vocab_size})")
         self.full_vocab_size = int(full_vocab_size)
+        self.spread_other = bool(spread_other)
+        if self.spread_other and self.ids.numel() >= full_vocab_size:
+            raise ValueError("a spread \"other\" row needs tokens outside the subset to stand for")
         self.other_row = self.ids.numel()
         # Input side: full id -> row; every id outside the subset -> the "other" row N.
         self.input_rows = torch.full((full_vocab_size,), self.other_row, dtype=torch.long, device=device)
         self.input_rows[self.ids] = torch.arange(self.other_row, device=device)
         # Output side: full id -> row, -1 where the draft cannot emit the token.
         self.output_rows = torch.where(self.input_rows == self.other_row, -1, self.input_rows)
+        # Row -> full id of what a full-vocabulary argmax emits: a spread draft's "other" row ties at
+        # every outside id, and argmax takes the first (an old draft's never wins: no entry).
+        outside = (self.output_rows < 0).nonzero()[:1, 0]
+        self.emitted_ids = torch.cat([self.ids, outside]) if self.spread_other else self.ids
 
     @property
     def size(self) -> int:
@@ -42,11 +59,25 @@ class VocabSubset:
         return self.other_row
 
     @property
+    def head_rows(self) -> int:
+        """Output rows the decoder scores: the N token rows, and a spread draft's "other" row."""
+        return self.size + int(self.spread_other)
+
+    @property
+    def other_log_count(self) -> float:
+        """What a spread draft's "other" logit gains in a softmax over its rows: log(V - N), as it is
+        the logit of each of the V - N outside tokens. 0 otherwise: an old draft's "other" row is the
+        outside mass itself."""
+        return math.log(self.full_vocab_size - self.size) if self.spread_other else 0.0
+
+    @property
     def device(self) -> torch.device:
         return self.ids.device
 
     def to(self, device) -> VocabSubset:
-        return self if torch.device(device) == self.device else VocabSubset(self.ids, self.full_vocab_size, device)
+        if torch.device(device) == self.device:
+            return self
+        return VocabSubset(self.ids, self.full_vocab_size, device, self.spread_other)
 
     # ------------------------------------------------------------------ the HF config contract
     @classmethod
@@ -55,7 +86,8 @@ class VocabSubset:
         ids = getattr(config, IDS_ATTR, None)
         if not ids:
             return None
-        return cls(list(ids), int(getattr(config, FULL_SIZE_ATTR)), device)
+        # Drafts written before the flag existed were trained with the "other" row as the outside mass.
+        return cls(list(ids), int(getattr(config, FULL_SIZE_ATTR)), device, bool(getattr(config, SPREAD_ATTR, False)))
 
     @classmethod
     def of(cls, model, device: torch.device | str | None = None) -> VocabSubset | None:
@@ -67,6 +99,24 @@ class VocabSubset:
         """Record this subset in an HF config (saved with the draft's weights)."""
         setattr(config, IDS_ATTR, self.ids.tolist())
         setattr(config, FULL_SIZE_ATTR, self.full_vocab_size)
+        setattr(config, SPREAD_ATTR, self.spread_other)
+
+    @staticmethod
+    def remove_from(config) -> None:
+        """Erase any subset from an HF config (a draft exported with the full vocabulary's rows)."""
+        for attr in (IDS_ATTR, FULL_SIZE_ATTR, SPREAD_ATTR):
+            if hasattr(config, attr):
+                delattr(config, attr)
+
+    def bucket_logits(self, row_logits: torch.Tensor) -> torch.Tensor:
+        """Logits over the rows [..., N + 1] whose softmax is the draft's distribution over [its N tokens,
+        everything outside the subset] (what training compares with the target): a spread draft's
+        "other" logit counted V - N times, an old draft's as it is."""
+        if not self.spread_other:
+            return row_logits
+        offset = torch.zeros(row_logits.shape[-1], dtype=row_logits.dtype, device=row_logits.device)
+        offset[self.other_row] = self.other_log_count
+        return row_logits + offset
 
     # ------------------------------------------------------------------ ids <-> rows
     def rows(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -74,14 +124,19 @@ class VocabSubset:
         return self.input_rows[token_ids]
 
     def token_ids(self, rows: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary ids of emitted rows (never the "other" row)."""
-        return self.ids[rows]
+        """Full-vocabulary ids of emitted rows (a spread draft's "other" row: the first outside id,
+        where a full-vocabulary argmax lands; an old draft never emits it)."""
+        return self.emitted_ids[rows]
 
-    def spread(self, row_values: torch.Tensor, fill: float = float("-inf")) -> torch.Tensor:
-        """Values over the N token rows [..., N(+1)] -> [..., full_vocab_size], `fill` outside the subset
-        (logits: -inf, probabilities: 0). A trailing "other" column is dropped."""
-        values = row_values[..., : self.size]
-        full = values.new_full((*values.shape[:-1], self.full_vocab_size), fill)
+    def full_logits(self, row_logits: torch.Tensor) -> torch.Tensor:
+        """Logits over the rows [..., N(+1)] -> [..., full_vocab_size]: a spread draft's "other" logit
+        at every id outside the subset, else -inf there (probability 0). An old draft's trailing
+        "other" column is dropped."""
+        values = row_logits[..., : self.size]
+        if self.spread_other:
+            full = row_logits[..., self.size:self.size + 1].expand(*values.shape[:-1], self.full_vocab_size).clone()
+        else:
+            full = values.new_full((*values.shape[:-1], self.full_vocab_size), float("-inf"))
         full[..., self.ids] = values
         return full
 

@@ -11,9 +11,9 @@ vocabulary subset (e.g. 8,192 tokens) buys width.
 
 Vocabulary subset (vocab_subset = N): the N most frequent tokens of the training data (special
 tokens always in). Embedding and tied head have N + 1 rows; row N ("other") stands for every
-token outside the subset on input, and its output logit is the mass outside the subset during
-training (the decoder ignores it, so the draft gives probability 0 outside the subset). The
-row <-> id map is a decode.vocab.VocabSubset, written into the draft's HF config by its `write_to`.
+token outside the subset on input, and on output for each of them (spread_other, what training
+builds now: decode/vocab.py), so a full-vocabulary copy of the draft gives the same distribution.
+The row <-> id map is a decode.vocab.VocabSubset, written into the draft's HF config by its `write_to`.
 """
 
 from __future__ import annotations

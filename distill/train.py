@@ -29,7 +29,7 @@ from decode.cli import cli_config, run_cli
 from decode.config import config_to_dict
 from decode.models import check_tokenizers, load_model, load_tokenizer, param_count
 from decode.vocab import VocabSubset
-from distill.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from distill.checkpoint import TrainState, latest_checkpoint, load_newest_loadable, save_checkpoint
 from distill.data import StepSampler, collate, load_examples, token_counts
 from distill.draft import build_pretrained_draft, build_scratch_draft, select_vocab
 from distill.export.hf import copy_hf, export_hf
@@ -59,8 +59,8 @@ class StepResult:
 
 
 class DistillRecipe:
-    """One run in out_dir. `setup()` builds everything (resuming from the latest checkpoint when
-    there is one), `train()` runs the loop and the final export and returns the summary."""
+    """One run in out_dir. `setup()` builds everything (resuming from the newest checkpoint that
+    loads, if any), `train()` runs the loop and the final export and returns the summary."""
 
     def __init__(self, config):
         init = [] if config.distill.init == "scratch" else ["distill.init"]
@@ -81,25 +81,32 @@ class DistillRecipe:
             print(text)
 
     # ------------------------------------------------------------------ setup
-    def setup(self) -> None:
-        resume_from = latest_checkpoint(self.out_dir) if self.dc.resume else None
-        if resume_from is not None:  # before any model loads: a refused resume fails fast
-            check_resumable(self.config, self.out_dir, resume_from)
+    def setup(self, resume: bool = True) -> bool:
+        """Build everything, resuming unless `resume` or distill.resume is off. False when there
+        were checkpoints but none loaded (each is named in a warning): this recipe's state may then
+        hold part of one, so the caller starts again from a fresh recipe with resume=False."""
+        newest = latest_checkpoint(self.out_dir) if resume and self.dc.resume else None
+        if newest is not None:  # before any model loads: a refused resume fails fast
+            check_resumable(self.config, self.out_dir, newest)
         self.setup_data()
         target = load_model(self.config.target)  # fp32 on CPU: sizing, embedding init, and the online teacher
         self.setup_draft(target)
         self.setup_teacher(target)
         self.setup_optimizer()
         self.state = TrainState()
-        if resume_from is not None:
-            self.state = load_checkpoint(self.accelerator, resume_from)
-            self.say(f"resumed from {resume_from} (step {self.state.step}, "
+        if newest is not None:
+            loaded = load_newest_loadable(self.accelerator, self.out_dir)
+            if loaded is None:
+                return False
+            self.state, resumed_from = loaded
+            self.say(f"resumed from {resumed_from} (step {self.state.step}, "
                      f"epoch {self.state.step // self.sampler.steps_per_epoch})")
         if self.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             (self.out_dir / "config.yaml").write_text(self.config_yaml())
         self.logger = RunLogger(self.config, self.out_dir, self.is_main, self.state.step)
         signal.signal(signal.SIGTERM, self.request_stop)
+        return True
 
     def setup_data(self) -> None:
         dc = self.dc
@@ -134,7 +141,7 @@ class DistillRecipe:
         special = [i for i in self.tokenizer.all_special_ids if i < full_vocab]
         ids = select_vocab(token_counts(self.train_set, full_vocab), self.dc.vocab_subset,
                            special + [target.config.eos_token_id])
-        subset = VocabSubset(ids, full_vocab)
+        subset = VocabSubset(ids, full_vocab, spread_other=self.dc.spread_other)
         held = [t for ex in self.eval_set for t in ex.ids[ex.n_prompt:].tolist()]
         if held:
             covered = float((subset.output_rows[torch.tensor(held)] >= 0).float().mean())
@@ -307,13 +314,16 @@ class DistillRecipe:
 
     def agreed_stop(self, steps_here: int) -> str | None:
         """SIGTERM, distill.stop_after or max_minutes on any rank stops every rank at this step
-        boundary (a signal may reach only one of them)."""
+        boundary (a signal may reach only one of them), and for the same reason on every rank:
+        an interrupted run only saves, a timed-out one also runs the final export (collectives)."""
         dc = self.dc
-        local = self.stop_requested or (dc.stop_after and steps_here >= dc.stop_after) or (
-            dc.max_minutes and self.state.elapsed_s >= 60 * dc.max_minutes)
-        if self.accelerator.reduce(torch.tensor(float(bool(local)), device=self.device), "sum") == 0:
-            return None
-        return "interrupted" if self.stop_requested or dc.stop_after else "max_minutes reached"
+        interrupted = self.stop_requested or bool(dc.stop_after and steps_here >= dc.stop_after)
+        timed_out = bool(dc.max_minutes and self.state.elapsed_s >= 60 * dc.max_minutes)
+        votes = self.accelerator.reduce(torch.tensor([float(interrupted), float(timed_out)], device=self.device),
+                                        "sum")
+        if votes[0] > 0:
+            return "interrupted"
+        return "max_minutes reached" if votes[1] > 0 else None
 
     def maybe_save(self, stop_reason: str | None) -> None:
         dc, step = self.dc, self.state.step
@@ -370,7 +380,10 @@ class DistillRecipe:
 
 def train(config) -> dict:
     recipe = DistillRecipe(config)
-    recipe.setup()
+    if not recipe.setup():
+        del recipe  # its models go before the fresh recipe builds its own
+        recipe = DistillRecipe(config)  # seeded again: the same initial draft as a run that never saved
+        recipe.setup(resume=False)
     return recipe.train()
 
 

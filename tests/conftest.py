@@ -23,10 +23,12 @@ def small_llama(vocab_size: int = 16, hidden: int = 32, layers: int = 1, seed: i
     return LlamaForCausalLM(config).eval()
 
 
-def subset_llama(vocab_ids: list[int], full_vocab_size: int, seed: int = 1) -> LlamaForCausalLM:
-    """A vocabulary-subset draft: rows for `vocab_ids` plus the "other" row (see decode/vocab.py)."""
+def subset_llama(vocab_ids: list[int], full_vocab_size: int, seed: int = 1,
+                 spread_other: bool = False) -> LlamaForCausalLM:
+    """A vocabulary-subset draft: rows for `vocab_ids` plus the "other" row (see decode/vocab.py);
+    spread_other: the "other" logit is each outside token's (new drafts), else the outside mass."""
     draft = small_llama(vocab_size=len(vocab_ids) + 1, seed=seed)
-    VocabSubset(vocab_ids, full_vocab_size).write_to(draft.config)
+    VocabSubset(vocab_ids, full_vocab_size, spread_other=spread_other).write_to(draft.config)
     return draft
 
 

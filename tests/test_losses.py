@@ -125,3 +125,37 @@ def test_temperature_and_mixing_weights():
     assert float(hot) < float(kl)  # softer distributions are closer
     same = mixed_loss({"forward_kl": 1.0}, target, target, logits, labels, mask, temperature=2.0)
     assert abs(float(same)) < 1e-6
+
+
+def test_spread_draft_buckets_equal_its_full_vocabulary_export_bucketed():
+    """A spread subset draft's training buckets (its "other" logit counted V - N times) are its
+    full-vocabulary distribution (the "other" logit at every outside id, as hf-full exports it)
+    bucketed the same way: online (subset + outside) and cached (top-K + rest, top-K ids inside and
+    outside the subset)."""
+    from decode.vocab import VocabSubset
+
+    gen = torch.Generator().manual_seed(0)
+    full_vocab, ids = 40, [0, 3, 4, 9, 17, 22, 31]
+    subset = VocabSubset(ids, full_vocab, spread_other=True)
+    rows = torch.randn(5, len(ids) + 1, generator=gen) * 3  # the draft's head: N tokens + "other"
+    exported = subset.full_logits(rows)  # [5, V]
+    target_logits = torch.randn(5, full_vocab, generator=gen) * 3
+
+    draft_b, _ = subset_buckets(subset.bucket_logits(rows), target_logits, subset.ids)
+    exported_logp = torch.log_softmax(exported, -1)
+    outside = exported_logp.index_fill(1, subset.ids, float("-inf")).logsumexp(-1, keepdim=True)
+    assert torch.allclose(draft_b, torch.cat([exported_logp[:, ids], outside], -1), atol=1e-5)
+
+    topk_ids = torch.stack([torch.randperm(full_vocab, generator=gen)[:6] for _ in range(5)])  # [5, 6]
+    topk_logp = torch.log_softmax(target_logits, -1).gather(1, topk_ids)
+    draft_k, _ = topk_buckets(subset.bucket_logits(rows), subset.output_rows[topk_ids], topk_logp)
+    exported_k, _ = topk_buckets(exported, topk_ids, topk_logp)
+    # Top-K tokens outside the subset: the draft has no row for them (its rest holds them); the
+    # export gives each the "other" logit. Compare the subset columns and the total of the rest.
+    inside = subset.output_rows[topk_ids] >= 0
+    assert torch.allclose(draft_k[:, :-1][inside], exported_k[:, :-1][inside], atol=1e-5)
+    rest_of_export = torch.logsumexp(torch.cat([exported_k[:, :-1].masked_fill(inside, float("-inf")),
+                                                exported_k[:, -1:]], -1), -1)
+    assert torch.allclose(draft_k[:, -1], rest_of_export, atol=1e-5)
+    # An old draft's "other" logit is the outside mass itself: no count added.
+    assert torch.equal(VocabSubset(ids, full_vocab).bucket_logits(rows), rows)

@@ -35,12 +35,13 @@ SUBSET_IDS = [0, 1, 2, 3, 5, 7, 9, 11, 13]
 
 
 @pytest.mark.parametrize("warp", [dict(temperature=1.0), dict(temperature=0.7, top_k=5, top_p=0.9)])
-@pytest.mark.parametrize("draft_kind", ["full", "subset"])
+@pytest.mark.parametrize("draft_kind", ["full", "subset", "spread"])
 def test_sequence_distribution_matches_target(pair, warp, draft_kind):
-    """Two-sample χ² on the joint histogram of 3-token continuations."""
+    """Two-sample χ² on the joint histogram of 3-token continuations ("spread": a subset draft whose
+    "other" logit stands at every outside id, so it proposes outside tokens too)."""
     target, draft = pair
-    if draft_kind == "subset":
-        draft = subset_llama(SUBSET_IDS, 16)
+    if draft_kind != "full":
+        draft = subset_llama(SUBSET_IDS, 16, spread_other=draft_kind == "spread")
     t_runner, proposer = make_runner(target, 16), DraftProposer(make_runner(draft, 16))
     sampling = SamplingParams(**warp)
     n = 1000
@@ -362,6 +363,28 @@ class FixedLogitsRunner:
     def rollback(self, length: int) -> None:
         assert 0 <= length <= self.length
         self.length = length
+
+
+def test_spread_draft_proposes_from_its_full_vocabulary_distribution():
+    """A spread subset draft's proposal carries the full-vocabulary distribution it was drawn from:
+    the warped logits with its "other" logit at each outside id, outside tokens drawn uniformly."""
+    draft = subset_llama(SUBSET_IDS, 16, spread_other=True)
+    proposer, sampling = DraftProposer(make_runner(draft, 16)), SamplingParams(temperature=1.0)
+    proposer.reset(PROMPT[0].tolist())
+    proposal = proposer.propose(PROMPT[0].tolist(), 1, sampling, torch.Generator().manual_seed(0))
+    full = HFRunner(draft, 16).forward(PROMPT[0], 1)[0]  # [16]
+    outside = [i for i in range(16) if i not in SUBSET_IDS]
+    assert proposal.draft_ids is None
+    assert torch.allclose(proposal.draft_probs[0], sampling.warp(full), atol=1e-6)
+    assert torch.all(full[outside] == full[outside[0]]) and full[outside[0]] > float("-inf")
+    counts = torch.zeros(16)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3000):
+        proposer.rollback(len(PROMPT[0]))
+        counts[proposer.propose(PROMPT[0].tolist(), 1, sampling, gen).tokens[0]] += 1
+    expected = proposal.draft_probs[0] * counts.sum()
+    support = expected > 0
+    assert scipy_stats.chisquare(counts[support].numpy(), expected[support].numpy()).pvalue > 1e-4
 
 
 def test_accept_rule_gets_the_sampled_draft_distribution_and_the_same_warp(monkeypatch):

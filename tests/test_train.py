@@ -22,6 +22,7 @@ from decode.models import load_model, load_tokenizer
 from decode.vocab import VocabSubset
 from distill.checkpoint import latest_checkpoint
 from distill.data import DataError, StepSampler, load_examples
+from distill.disk import DiskFullError
 from distill.train import NonFiniteError, train
 from tests.synthetic_shards import write_manifest, write_scored_shards
 
@@ -166,7 +167,7 @@ def test_crash_during_save_keeps_the_previous_checkpoint(data, tmp_path, monkeyp
 
     common = ["distill.max_steps=6", "distill.save_every=2", "distill.eval_every=0"]
     monkeypatch.setattr(Accelerator, "save_state", failing_save)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(DiskFullError, match="no space left on device while saving .*step-4"):
         run(data, tmp_path, *common)
     assert (tmp_path / "checkpoints/.tmp-step-4").exists()
     assert latest_checkpoint(tmp_path).name == "step-2"
@@ -360,3 +361,13 @@ def test_source_filter_keeps_one_workload(tmp_path):
     assert len(load_examples([str(shard_dir)], 64, need_topk=False)[0]) == 4
     with pytest.raises(DataError, match=r"\['humaneval'\] not in .*\['freshqa', 'gsm8k'\]"):
         load_examples([str(shard_dir)], 64, need_topk=False, sources=["humaneval"])
+
+
+@pytest.mark.parametrize("spread", [False, True])
+def test_spread_other_travels_with_the_trained_draft(data, tmp_path, spread):
+    # distill.spread_other trains the "other" row as mass spread over the outside tokens: the flag must reach
+    # final/, where the decoder and `distill.export --format hf-full` read it (off: the draft is as before).
+    run(data, tmp_path, "distill.max_steps=2", "distill.eval_every=0", "distill.save_every=0",
+        f"distill.spread_other={str(spread).lower()}")
+    draft = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    assert VocabSubset.from_config(draft.config).spread_other is spread

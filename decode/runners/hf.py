@@ -17,8 +17,8 @@ from decode.vocab import VocabSubset
 class HFRunner:
     """Batch 1 over a DynamicCache (implements `decode.runners.Runner`).
 
-    A vocabulary-subset draft is fed its subset rows and its logits are spread back over the full
-    vocabulary (-inf outside the subset), so the draft gives probability 0 there."""
+    A vocabulary-subset draft is fed its subset rows and its logits are put back over the full
+    vocabulary by VocabSubset.full_logits (-inf outside the subset, or a spread draft's "other" logit)."""
 
     def __init__(self, model: torch.nn.Module, vocab_size: int, hidden_layers: Sequence[int] = ()):
         self.model = model
@@ -60,8 +60,8 @@ class HFRunner:
         if self.subset is None:
             return logits[:, : self.vocab_size]  # padded embedding rows beyond the shared vocabulary
         if not full_vocab:
-            return logits[:, : self.subset.size]  # the "other" row is never emitted
-        return self.subset.spread(logits)
+            return logits[:, : self.subset.size]  # the N token rows
+        return self.subset.full_logits(logits)
 
 
 class HFBatchedRunner:

@@ -89,9 +89,9 @@ class LeanRunner:
         self.hidden_layers = tuple(hidden_layers)
         self.hidden_states: torch.Tensor | None = None
         cpu_fp32 = self.device.type == "cpu" and next(model.parameters()).dtype == torch.float32
-        # Output rows that mean tokens: the subset's N rows (not "other"), else the shared vocabulary
-        # (embedding rows padded beyond it are never scored).
-        head_rows = self.subset.size if self.subset is not None else vocab_size
+        # Output rows the decoder scores: a subset draft's (decode.vocab.VocabSubset.head_rows), else the
+        # shared vocabulary (embedding rows padded beyond it are never scored).
+        head_rows = self.subset.head_rows if self.subset is not None else vocab_size
         self.core = LlamaCore(model, head_rows, lambda w, bias: Projection(w, bias, cpu_fp32))
         n_layers = len(self.core.layers)
         if any(not 0 <= i < n_layers for i in self.hidden_layers):
@@ -158,8 +158,8 @@ class LeanRunner:
         return x
 
     def to_vocab(self, row_logits: torch.Tensor, full_vocab: bool) -> torch.Tensor:
-        """Logits over the head's rows [M, rows] -> [M, vocab_size] (a subset draft's spread with -inf
-        outside the subset), or left over a subset draft's N rows when not full_vocab."""
-        if self.subset is None or not full_vocab:
+        """Logits over the head's rows [M, rows] -> [M, vocab_size] (a subset draft's through
+        VocabSubset.full_logits), or a subset draft's N token rows when not full_vocab."""
+        if self.subset is None:
             return row_logits
-        return self.subset.spread(row_logits)
+        return self.subset.full_logits(row_logits) if full_vocab else row_logits[:, : self.subset.size]

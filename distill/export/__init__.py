@@ -2,10 +2,13 @@
 
   hf.py        the Hugging Face folder (weights with LoRA merged, config, tokenizer, and the run's
                config.yaml / metrics.json): what a run's best/ and final/ are
-  run.py       export a finished run folder's final/ (or best/) draft to a chosen format
-  __main__.py  python -m distill.export --run runs/x --out exports/x [--format hf] [--source final]
+  hf_full.py   a subset draft as a plain full-vocabulary model (exact for spread_other drafts)
+  gguf.py      GGUF files (f16, q8_0) of the full-vocabulary draft for llama.cpp
+  run.py       export a finished run folder's final/ (or best/) draft to a chosen format (FORMATS)
+  __main__.py  python -m distill.export --run runs/x --out exports/x [--format hf|hf-full|gguf]
+               [--source final|best]
 
 The training loop writes best/ and final/ through hf.py; everything else starts from those
 folders. A vocabulary-subset draft's row <-> token id map travels in its HF config
-(decode.vocab.VocabSubset.write_to / from_config).
+(decode.vocab.VocabSubset.write_to / from_config); hf-full and gguf leave it behind.
 """

@@ -1,7 +1,8 @@
 """The Hugging Face folder format: loadable with AutoModelForCausalLM / AutoTokenizer.
 
 A folder is complete or absent: it is written under a hidden temp name next to its place and
-renamed into place (replacing the old one) once everything is in it.
+renamed into place (replacing the old one) once everything is in it. A full disk raises
+DiskFullError (distill/disk.py) naming the folder, and the old one stays in place.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import copy
 import shutil
 from pathlib import Path
+
+from distill.disk import reporting_full_disk
 
 
 def export_hf(model, tokenizer, path: str | Path, extra_files: dict[str, str] | None = None,
@@ -21,12 +24,13 @@ def export_hf(model, tokenizer, path: str | Path, extra_files: dict[str, str] | 
     path = Path(path)
     tmp = path.with_name(f".tmp-{path.name}")
     shutil.rmtree(tmp, ignore_errors=True)
-    if hasattr(model, "merge_and_unload"):
-        copy.deepcopy(model).merge_and_unload().save_pretrained(tmp)
-    else:
-        model.save_pretrained(tmp, state_dict=state_dict)
-    tokenizer.save_pretrained(tmp)
-    _add_files(tmp, extra_files or {})
+    with reporting_full_disk(path):
+        if hasattr(model, "merge_and_unload"):
+            copy.deepcopy(model).merge_and_unload().save_pretrained(tmp)
+        else:
+            model.save_pretrained(tmp, state_dict=state_dict)
+        tokenizer.save_pretrained(tmp)
+        _add_files(tmp, extra_files or {})
     _replace_dir(tmp, path)
     return path
 
@@ -35,8 +39,9 @@ def copy_hf(src: Path, dst: Path, extra_files: dict[str, str]) -> Path:
     """An HF folder copied from another (final/ from best/), with files added or replaced."""
     tmp = dst.with_name(f".tmp-{dst.name}")
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src, tmp)
-    _add_files(tmp, extra_files)
+    with reporting_full_disk(dst):
+        shutil.copytree(src, tmp)
+        _add_files(tmp, extra_files)
     _replace_dir(tmp, dst)
     return dst
 

@@ -17,7 +17,9 @@ def evaluate(model, teacher: Teacher, batches: Iterable[dict], accelerator, tau_
     With a cached teacher α sums min() over the stored top-K tokens only: a lower bound on
     the true α (the overlap outside the top-K is unknown; counting the whole "rest" bucket
     would over-count it badly when the tail is heavy). The draft is used as the decoder uses
-    it (a subset draft's "other" row gets probability 0).
+    it (an old subset draft's "other" row gets probability 0). A spread subset draft's outside
+    bucket is dropped too: min() of the bucket totals over-counts the overlap of the V - N
+    outside tokens, so α is a lower bound there (exact inside the subset).
 
     batches: this rank's share of the held-out set, the same number of batches on every rank."""
     model.eval()
@@ -27,7 +29,7 @@ def evaluate(model, teacher: Teacher, batches: Iterable[dict], accelerator, tau_
         target = teacher.targets(batch)
         draft_logp, target_logp = teacher.buckets(logits, target)
         decode_logp, decode_target_logp = teacher.buckets(teacher.decode_logits(logits), target)
-        if target.logits is None:  # cached: drop the "rest" column (lower bound, see docstring)
+        if target.logits is None or teacher.spread_other:  # drop the "rest" column (lower bound, see docstring)
             decode_logp, decode_target_logp = decode_logp[:, :-1], decode_target_logp[:, :-1]
         ones = torch.ones(logits.shape[0], dtype=torch.bool, device=accelerator.device)
         sums += torch.stack([ones.sum().float(), kl_per_token(target_logp, draft_logp).sum(),

@@ -47,12 +47,15 @@ def keep_positions(batch: dict) -> torch.Tensor:
 
 
 def draft_logits(model, batch: dict, subset: VocabSubset | None) -> torch.Tensor:
-    """Draft logits at the loss positions, fp32 [N, V_draft]; the head runs only from the first
-    completion position on."""
+    """Draft logits at the loss positions, fp32 [N, V_draft], whose softmax is the draft's training
+    distribution (a spread_other subset draft's "other" row counted once per outside token:
+    VocabSubset.bucket_logits), so every loss, cross-entropy included, trains what the decoder and
+    the export use. The head runs only from the first completion position on."""
     ids = batch["input_ids"] if subset is None else subset.rows(batch["input_ids"])
     keep = keep_positions(batch)
     logits = model(input_ids=ids, attention_mask=batch["attention_mask"], logits_to_keep=keep).logits
-    return logits[batch["loss_mask"][:, keep]].float()  # [N, V_draft]
+    logits = logits[batch["loss_mask"][:, keep]].float()  # [N, V_draft]
+    return logits if subset is None else subset.bucket_logits(logits)
 
 
 class Teacher:
@@ -86,13 +89,24 @@ class Teacher:
             return full_vocab_buckets(draft_logits, target.logits)
         return subset_buckets(draft_logits, target.logits, self.subset.ids)
 
+    @property
+    def spread_other(self) -> bool:
+        """Whether the draft's "other" row is the logit of each outside token (decode/vocab.py)."""
+        return self.subset is not None and self.subset.spread_other
+
     def decode_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
-        """The draft as the decoder uses it: a subset draft's "other" row never wins or gets mass."""
-        if self.subset is None:
+        """The draft as the decoder uses it at T = 1: an old subset draft's "other" row never wins or
+        gets mass; a spread draft's stands for the outside tokens, as in training."""
+        if self.subset is None or self.spread_other:
             return draft_logits
         return torch.cat([draft_logits[:, :-1], torch.full_like(draft_logits[:, -1:], float("-inf"))], -1)
 
     def draft_top1(self, draft_logits: torch.Tensor) -> torch.Tensor:
-        """[N] the draft's greedy choice as a full-vocabulary id."""
-        rows = self.decode_logits(draft_logits).argmax(-1)
+        """[N] the draft's greedy choice as a full-vocabulary id. A spread draft's "other" row competes
+        with one outside token's logit (argmax sees ties, not their total), so its count comes off."""
+        logits = self.decode_logits(draft_logits)
+        if self.spread_other:
+            logits = logits.clone()
+            logits[:, -1] -= self.subset.other_log_count
+        rows = logits.argmax(-1)
         return rows if self.subset is None else self.subset.token_ids(rows)
