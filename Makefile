@@ -39,3 +39,37 @@ demo: setup
 
 clean:
 	rm -rf data/tiny runs/tiny
+
+# The optional vLLM environment behind generate.engine=vllm (scripts/setup_vllm.sh); not part of `setup`.
+VLLM_VENV ?= .venv-vllm
+
+.PHONY: setup-vllm test-vllm
+
+setup-vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: scripts/setup_vllm.sh
+	bash scripts/setup_vllm.sh $(VLLM_VENV)
+	touch $@
+
+# The end-to-end vLLM tests (marker `vllm`). Where the vLLM environment is missing they fail,
+# never skip: SPEC_DISTILL_REQUIRE_VLLM turns the main suite's skip into a failure.
+test-vllm: setup
+	@test -f $(VLLM_VENV)/.installed || { echo "error: no vLLM environment in $(VLLM_VENV): run make setup-vllm"; exit 1; }
+	SPEC_DISTILL_VLLM_PYTHON=$(VLLM_VENV)/bin/python SPEC_DISTILL_REQUIRE_VLLM=1 \
+	$(PY) -m pytest -q -m vllm tests/test_vllm_engine.py; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "error: pytest collected no vLLM tests"; exit 1; fi; exit $$rc
+
+# Serving engines (decode/engines/): the draft as files engines load, measured inside HF, vLLM and
+# llama.cpp. vLLM and llama.cpp are optional and set up by their own targets; eval-engines says which
+# one is missing.
+.PHONY: export eval-engines setup-llamacpp
+
+export: setup
+	$(PY) -m distill.export.engines --config $(CONFIG) $(ARGS)
+
+eval-engines: export
+	$(PY) -m decode.engines --config $(CONFIG) $(ARGS)
+
+# llama.cpp's tools built from the llama-cpp-python sdist into .llamacpp/bin (~11 min on 2 cores; skipped when built).
+setup-llamacpp: setup
+	PYTHON=$(PY) bash scripts/setup_llamacpp.sh .llamacpp

@@ -4,6 +4,7 @@ proposer, run the loops of decode/speculative.py.
     from decode import generate, speculative_generate
     tokens = generate(target, input_ids, max_new_tokens=64, temperature=0.7, generator=g)
     out = speculative_generate(target, draft, input_ids, k=4, max_new_tokens=64, lookup_ngram=3)
+    out = speculative_generate(target, FeatureDraft.load(folder), input_ids, k=4, max_new_tokens=64)
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import torch
 
 from decode.checks import check_int, prompt_ids
+from decode.feature_draft import FeatureDraft, check_target
+from decode.feature_proposer import make_feature_proposer
 from decode.proposers import check_lookup_ngram, make_proposer
 from decode.runners import Runner, make_runner
 from decode.sampling import SamplingParams
@@ -25,6 +28,14 @@ def build_runners(target: torch.nn.Module, draft: torch.nn.Module, backend: str 
     target_vocab = model_vocab_size(target)
     draft_vocab = min(model_vocab_size(draft), target_vocab)
     return make_runner(target, target_vocab, backend), make_runner(draft, draft_vocab, backend)
+
+
+def build_feature_runner(target: torch.nn.Module, draft: FeatureDraft, backend: str = "auto") -> Runner:
+    """The target's runner for a feature draft: it keeps the hidden states of the layers the draft reads
+    (so never the CUDA-graph replay). Refuses a draft made for another target before building it."""
+    target_vocab = model_vocab_size(target)
+    check_target(draft.config, target.config, target_vocab)
+    return make_runner(target, target_vocab, backend, hidden_layers=draft.config.target_layers)
 
 
 def generate(target: torch.nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
@@ -47,7 +58,8 @@ def speculative_generate(target: torch.nn.Module, draft: torch.nn.Module, input_
                          backend: str = "auto", lookup_ngram: int = 0) -> SpeculativeOutput:
     """Lossless speculative decoding: output distributed exactly as `generate(target, ...)`.
 
-    `target` and `draft` are Hugging Face causal LMs sharing a tokenizer; input_ids is [1, L].
+    `target` and `draft` are Hugging Face causal LMs sharing a tokenizer, or `draft` is a FeatureDraft
+    made for this target (decode/feature_draft.py, reading the target's hidden states); input_ids is [1, L].
     lookup_ngram > 0 (at least 2) adds prompt lookup (`decode.lookup`): where the last n tokens
     (n = lookup_ngram down to 2) occurred earlier in the prompt or output, the token that followed
     them is proposed with probability 1 instead of running the draft. The proposal still depends
@@ -58,7 +70,12 @@ def speculative_generate(target: torch.nn.Module, draft: torch.nn.Module, input_
     check_int("k", k, 1)
     check_int("max_new_tokens", max_new_tokens, 1)
     check_lookup_ngram(lookup_ngram)
-    target_runner, draft_runner = build_runners(target, draft, backend)
-    return speculative_decode(target_runner, make_proposer(draft_runner, lookup_ngram), input_ids, k=k,
+    if isinstance(draft, FeatureDraft):
+        target_runner = build_feature_runner(target, draft, backend)
+        proposer = make_feature_proposer(target_runner, draft, target.get_input_embeddings().weight, lookup_ngram)
+    else:
+        target_runner, draft_runner = build_runners(target, draft, backend)
+        proposer = make_proposer(draft_runner, lookup_ngram)
+    return speculative_decode(target_runner, proposer, input_ids, k=k,
                               max_new_tokens=max_new_tokens, sampling=sampling, eos_token_id=eos_token_id,
                               generator=generator)

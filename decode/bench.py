@@ -7,6 +7,11 @@ Setup (config, prompts, models, tokenizer check, runners, proposers) -> warm-up 
 proposer, interleaved in one process on the same runners -> HF generate comparisons -> the cost
 model again (did the machine's load change?) -> timing reliability -> report.json / report.md /
 plots / samples.jsonl (+ W&B). Unreliable timings withhold the go/no-go verdict.
+
+Two draft kinds, side by side on the same prompts: a standalone draft LM (`draft`: rows 'draft',
+'draft+lookup') and a feature draft (decode/feature_draft.py; `eval.feature_draft`, or `draft` itself:
+rows 'feature', 'feature+lookup'), which verifies on a target runner that keeps the hidden states it
+reads and has its own cost model. Target-only decoding keeps the plain runner.
 """
 
 from __future__ import annotations
@@ -25,22 +30,26 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from decode.api import build_runners
+from decode.api import build_feature_runner, build_runners
 from decode.cli import cli_config, run_cli
 from decode.config import Config, ConfigError, config_to_dict
+from decode.feature_draft import FeatureDraft, check_target, feature_draft_problem, is_feature_draft
+from decode.feature_proposer import make_feature_proposer
+from decode.feature_timing import FeatureDraftSteps
 from decode.hf_baselines import full_vocab_view, hf_generate
-from decode.models import check_tokenizers, load_model, load_tokenizer, param_count, resolve_device, torch_dtype
+from decode.models import (TOKENIZER_FILES, check_tokenizers, load_model, load_tokenizer, param_count,
+                           resolve_device, torch_dtype)
 from decode.prompts import evaluation_split, load_prompt_set, read_split_prompts
 from decode.proposers import Proposer, make_proposer
 from decode.provenance import git_revision
 from decode.report import write_markdown, write_plots
-from decode.runners import Runner
+from decode.runners import Runner, make_runner
 from decode.sampling import SamplingParams
 from decode.speculative import speculative_decode, target_decode
 from decode.stats import SpeculativeStats, predicted_speedup
 from decode.timing import cost_model, timed, timing_reliability
 from decode.tracking import start_wandb
-from decode.vocab import VocabSubset
+from decode.vocab import VocabSubset, model_vocab_size
 
 
 @dataclass
@@ -50,36 +59,94 @@ class Setup:
     device: torch.device
     tokenizer: object
     target: torch.nn.Module
-    draft: torch.nn.Module
+    draft: torch.nn.Module | None
+    """The standalone draft; None when only a feature draft is measured."""
+    feature: FeatureDraft | None
     prompt_sets: dict[str, list]
     target_runner: Runner
-    draft_runner: Runner
+    """The target's plain runner: target-only decoding and the standalone draft's verification."""
+    draft_runner: Runner | None
+    feature_runner: Runner | None
+    """The target's runner keeping the hidden states the feature draft reads: its verification."""
     proposers: dict[str, Proposer]
-    """By report name: "draft", and "draft+lookup" when eval.lookup_ngram > 0."""
+    """By report name: "draft" and/or "feature", each with "+lookup" when eval.lookup_ngram > 0."""
     out_dir: Path
+
+    def verifier(self, proposer: str) -> Runner:
+        """The target runner that verifies a proposer's tokens."""
+        return self.feature_runner if draft_kind(proposer) == "feature" else self.target_runner
+
+
+def draft_kind(proposer: str) -> str:
+    """'draft' (standalone) or 'feature' from a report's proposer name ('feature+lookup' -> 'feature')."""
+    return proposer.split("+")[0]
+
+
+def draft_refs(cfg: Config) -> tuple[str | None, str | None]:
+    """(standalone draft, feature draft) references: `draft` is either kind, and eval.feature_draft adds a
+    feature draft next to a standalone one. Refuses one that cannot load, before any model loads."""
+    if is_feature_draft(cfg.draft):
+        if cfg.eval.feature_draft:
+            raise ConfigError(f"draft {cfg.draft!r} is a feature draft already; eval.feature_draft adds a "
+                              "feature draft next to a standalone draft")
+        standalone, feature, key = None, cfg.draft, "draft"
+    else:
+        cfg.check_model_refs("draft")
+        standalone, feature, key = cfg.draft, cfg.eval.feature_draft, "eval.feature_draft"
+    if feature is not None and (problem := feature_draft_problem(feature)):
+        raise ConfigError(f"{key}: {problem}")
+    return standalone, feature
+
+
+def load_feature_draft(ref: str, target: torch.nn.Module, tokenizer, device: torch.device,
+                       dtype: torch.dtype) -> FeatureDraft:
+    """A feature draft, refused for a target it was not trained on (the tokenizer is compared when the
+    folder has one, as training saves it)."""
+    if any((Path(ref) / name).is_file() for name in TOKENIZER_FILES):
+        check_tokenizers(tokenizer, load_tokenizer(ref))
+    feature = FeatureDraft.load(ref, device).to(dtype)
+    check_target(feature.config, target.config, model_vocab_size(target))
+    return feature
 
 
 def setup(cfg: Config) -> Setup:
-    """Models (with the tokenizer check), prompt sets, runners and proposers."""
+    """Models (with the tokenizer and target checks), prompt sets, runners and proposers."""
     ev = cfg.eval
     device = resolve_device(cfg.device)
     dtype = torch_dtype(ev.dtype, device)
+    standalone_ref, feature_ref = draft_refs(cfg)
     tokenizer = load_tokenizer(cfg.target)
-    check_tokenizers(tokenizer, load_tokenizer(cfg.draft))
+    if standalone_ref is not None:
+        check_tokenizers(tokenizer, load_tokenizer(standalone_ref))
     target = load_model(cfg.target, device, dtype)
-    draft = load_model(cfg.draft, device, dtype)
-    target_params, draft_params = param_count(target), param_count(draft)
-    if draft_params >= target_params:
-        warnings.warn(f"the draft ({draft_params:,} params) is not smaller than the target ({target_params:,})")
-    context_length = min(getattr(m.config, "max_position_embeddings", 10**9) for m in (target, draft))
+    draft = load_model(standalone_ref, device, dtype) if standalone_ref is not None else None
+    feature = load_feature_draft(feature_ref, target, tokenizer, device, dtype) if feature_ref is not None else None
+    target_params = param_count(target)
+    for name, model in (("draft", draft), ("feature draft", feature)):
+        if model is not None and param_count(model) >= target_params:
+            warnings.warn(f"the {name} ({param_count(model):,} params) is not smaller than the target "
+                          f"({target_params:,})")
+    context_length = min([getattr(m.config, "max_position_embeddings", 10**9) for m in (target, draft, feature)
+                          if m is not None])
     prompt_sets = eval_prompts(cfg, tokenizer, context_length)
-    target_runner, draft_runner = build_runners(target, draft, ev.backend)
-    # Each k runs with the draft alone, and with prompt lookup added when eval.lookup_ngram > 0.
-    proposers = {"draft": make_proposer(draft_runner)}
-    if ev.lookup_ngram:
-        proposers["draft+lookup"] = make_proposer(draft_runner, ev.lookup_ngram)
-    return Setup(cfg, device, tokenizer, target, draft, prompt_sets, target_runner, draft_runner, proposers,
-                 out_dir=Path(ev.out_dir or Path(cfg.distill.out_dir) / "eval"))
+    if draft is not None:
+        target_runner, draft_runner = build_runners(target, draft, ev.backend)
+    else:
+        target_runner, draft_runner = make_runner(target, model_vocab_size(target), ev.backend), None
+    feature_runner = build_feature_runner(target, feature, ev.backend) if feature is not None else None
+    # Each k runs with each draft alone, and with prompt lookup added when eval.lookup_ngram > 0.
+    proposers: dict[str, Proposer] = {}
+    if draft_runner is not None:
+        proposers["draft"] = make_proposer(draft_runner)
+        if ev.lookup_ngram:
+            proposers["draft+lookup"] = make_proposer(draft_runner, ev.lookup_ngram)
+    if feature is not None:
+        embeddings = target.get_input_embeddings().weight
+        proposers["feature"] = make_feature_proposer(feature_runner, feature, embeddings)
+        if ev.lookup_ngram:
+            proposers["feature+lookup"] = make_feature_proposer(feature_runner, feature, embeddings, ev.lookup_ngram)
+    return Setup(cfg, device, tokenizer, target, draft, feature, prompt_sets, target_runner, draft_runner,
+                 feature_runner, proposers, out_dir=Path(ev.out_dir or Path(cfg.distill.out_dir) / "eval"))
 
 
 def eval_prompts(cfg: Config, tokenizer, context_length: int) -> dict[str, list]:
@@ -125,8 +192,9 @@ def prompt_seed(seed: int, prompt_id: str, temperature: float) -> int:
     return int(hashlib.sha256(f"{seed}:{prompt_id}:{temperature}".encode()).hexdigest()[:12], 16)
 
 
-def aggregate(runs: list[dict], cost: dict) -> list[dict]:
-    """One row per (prompt set, temperature, proposer, k): pooled tokens/s and merged acceptance statistics."""
+def aggregate(runs: list[dict], costs: dict[str, dict]) -> list[dict]:
+    """One row per (prompt set, temperature, proposer, k): pooled tokens/s and merged acceptance statistics,
+    predicted by the cost model of the proposer's draft kind (costs: by draft_kind)."""
     rows = []
     keys = sorted({(r["prompt_set"], r["temperature"], r["proposer"], r["k"]) for r in runs})
     for prompt_set, temperature, proposer, k in keys:
@@ -137,6 +205,7 @@ def aggregate(runs: list[dict], cost: dict) -> list[dict]:
             stats = stats.merge(SpeculativeStats.from_dict(r["stats"]))
         base_tok_s = sum(r["baseline_tokens"] for r in group) / sum(r["baseline_s"] for r in group)
         spec_tok_s = sum(r["speculative_tokens"] for r in group) / sum(r["speculative_s"] for r in group)
+        cost = costs[draft_kind(proposer)]
         predicted = (predicted_speedup(stats.tau, stats.draft_steps_per_forward, cost["c"], cost["r"][k])
                      if k in cost["r"] else None)
         speedup = spec_tok_s / base_tok_s
@@ -164,7 +233,8 @@ def verdict(results: list[dict], reliability: dict) -> str:
                 "rerun eval-speedup on an otherwise idle machine before trusting any speedup here.")
     best = max(results, key=lambda r: r["speedup"])
     if best["speedup"] > 1.05:
-        return (f"GO: this draft{' with prompt lookup' if best['proposer'] != 'draft' else ''} speeds up "
+        which = "the feature draft" if draft_kind(best["proposer"]) == "feature" else "this draft"
+        return (f"GO: {which}{' with prompt lookup' if '+lookup' in best['proposer'] else ''} speeds up "
                 f"this target here by {best['speedup']:.2f}× at k={best['k']} "
                 f"(T={best['temperature']}, {best['prompt_set']}; α={best['alpha']:.2f}, τ={best['tau']:.2f}).")
     return (f"NO-GO: best measured speedup {best['speedup']:.2f}× (k={best['k']}, T={best['temperature']}, "
@@ -176,20 +246,30 @@ def first_prompt_ids(s: Setup) -> list[int]:
     return list(next(iter(s.prompt_sets.values()))[0].token_ids)
 
 
-def warm_up_and_cost(s: Setup) -> dict:
-    """Untimed warm-up (first calls allocate caches and pick kernels), then the cost model c, r(k)."""
+def warm_up_and_cost(s: Setup) -> dict[str, dict]:
+    """Untimed warm-up (first calls allocate caches and pick kernels), then each draft kind's cost model."""
     ev = s.cfg.eval
     first = torch.tensor([first_prompt_ids(s)])
     greedy = SamplingParams()
     for _ in range(ev.warmup):
         target_decode(s.target_runner, first, max_new_tokens=8, sampling=greedy)
-        speculative_decode(s.target_runner, s.proposers["draft"], first, k=max(ev.ks), max_new_tokens=8,
-                           sampling=greedy)
-    return measure_cost(s)
+        for name in ("draft", "feature"):
+            if name in s.proposers:
+                speculative_decode(s.verifier(name), s.proposers[name], first, k=max(ev.ks), max_new_tokens=8,
+                                   sampling=greedy)
+    return measure_costs(s)
 
 
-def measure_cost(s: Setup) -> dict:
-    return cost_model(s.target_runner, s.draft_runner, first_prompt_ids(s), s.cfg.eval.r_max_k)
+def measure_costs(s: Setup) -> dict[str, dict]:
+    """By draft kind: c (its draft step ÷ the target step) and r(k), timed on the runners it decodes with."""
+    context, max_k = first_prompt_ids(s), s.cfg.eval.r_max_k
+    costs = {}
+    if s.draft_runner is not None:
+        costs["draft"] = cost_model(s.target_runner, s.draft_runner, context, max_k)
+    if s.feature is not None:
+        steps = FeatureDraftSteps(s.feature, s.target.get_input_embeddings().weight)
+        costs["feature"] = cost_model(s.feature_runner, steps, context, max_k)
+    return costs
 
 
 def measure(s: Setup) -> tuple[list[dict], list[dict], dict[tuple[str, str], list[int]]]:
@@ -230,7 +310,7 @@ def measure_prompt(s: Setup, set_name: str, prompt, temperature: float, runs: li
     for k, (name, proposer) in itertools.product(ev.ks, s.proposers.items()):
         spec_s: list[float] = []
         with timed(s.device, spec_s):
-            out = speculative_decode(s.target_runner, proposer, input_ids, k=k, max_new_tokens=ev.max_new_tokens,
+            out = speculative_decode(s.verifier(name), proposer, input_ids, k=k, max_new_tokens=ev.max_new_tokens,
                                      sampling=sampling, eos_token_id=eos,
                                      generator=torch.Generator(s.device).manual_seed(seed + k))
         progress.update(1)
@@ -240,7 +320,8 @@ def measure_prompt(s: Setup, set_name: str, prompt, temperature: float, runs: li
                      "speculative_tokens": len(out.tokens), "speculative_s": spec_s[0],
                      "speedup": speedup, "stats": out.stats.to_dict(),
                      "greedy_identical": out.tokens.tolist() == base.tolist() if sampling.greedy else None})
-        method = f"speculative k={k}" + (" + lookup" if name != "draft" else "")
+        method = (f"speculative k={k}" + (" feature" if draft_kind(name) == "feature" else "")
+                  + (" + lookup" if "+lookup" in name else ""))
         samples.append({**where, "method": method, "text": s.tokenizer.decode(out.tokens)})
         progress.set_postfix(speedup=f"{speedup:.2f}", alpha=f"{out.stats.alpha:.2f}")
     return base.tolist()
@@ -248,19 +329,19 @@ def measure_prompt(s: Setup, set_name: str, prompt, temperature: float, runs: li
 
 def main(argv: list[str] | None = None) -> dict:
     cfg = cli_config(argv, "Measure speculative-decoding acceptance and wall-clock speedup; write a report.")
-    cfg.check_model_refs("target", "draft")
-    s = setup(cfg)
+    cfg.check_model_refs("target")
+    s = setup(cfg)  # refuses a draft reference that cannot load before any model loads (draft_refs)
     s.out_dir.mkdir(parents=True, exist_ok=True)
     tracker = start_wandb(cfg.wandb.mode, cfg.wandb.project, f"{cfg.name}-eval", s.out_dir,
                           config_to_dict(cfg), job_type="eval-speedup")
-    cost = warm_up_and_cost(s)
+    costs = warm_up_and_cost(s)
     runs, samples, greedy_tokens = measure(s)
-    results = aggregate(runs, cost)
+    results = aggregate(runs, costs)
     hf_rows = hf_comparisons(s, results, greedy_tokens) if cfg.eval.hf_baselines else []
     # The same measurement after every timed run, on the same runners: a machine whose load changed
     # during the run shows as a different target step (one of the timing-reliability signals).
-    cost_end = measure_cost(s)
-    report = build_report(s, argv, cost, cost_end, results, hf_rows, runs)
+    costs_end = measure_costs(s)
+    report = build_report(s, argv, costs, costs_end, results, hf_rows, runs)
     write_outputs(report, samples, s.out_dir)
     if tracker is not None:
         log_to_wandb(tracker, report)
@@ -268,11 +349,14 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
-def build_report(s: Setup, argv: list[str] | None, cost: dict, cost_end: dict, results: list[dict],
-                 hf_rows: list[dict], runs: list[dict]) -> dict:
+def build_report(s: Setup, argv: list[str] | None, costs: dict[str, dict], costs_end: dict[str, dict],
+                 results: list[dict], hf_rows: list[dict], runs: list[dict]) -> dict:
+    """report.json. cost_model / cost_model_end: the standalone draft's (the feature draft's when it is
+    measured alone), which the timing-reliability check reads; feature_cost_model: the feature draft's."""
     cfg = s.cfg
-    target_params, draft_params = param_count(s.target), param_count(s.draft)
-    subset = VocabSubset.from_config(s.draft.config)
+    target_params = param_count(s.target)
+    standalone, feature = s.draft is not None, s.feature is not None
+    kind = "draft" if standalone else "feature"
     report = {
         "command": " ".join(["python -m decode.bench"] + (argv if argv is not None else sys.argv[1:])),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -282,14 +366,29 @@ def build_report(s: Setup, argv: list[str] | None, cost: dict, cost_end: dict, r
                      "transformers": __import__("transformers").__version__},
         "config": config_to_dict(cfg), "max_new_tokens": cfg.eval.max_new_tokens,
         "target": {"ref": cfg.target, "params": target_params},
-        "draft": {"ref": cfg.draft, "params": draft_params, "param_ratio": draft_params / target_params,
-                  "vocab_subset": subset.size if subset is not None else None},
+        "draft": draft_record(cfg.draft, s.draft, target_params) if standalone else None,
+        "feature_draft": (draft_record(cfg.eval.feature_draft if standalone else cfg.draft, s.feature, target_params)
+                          if feature else None),
         "prompt_sets": {name: [p.prompt_id for p in prompts] for name, prompts in s.prompt_sets.items()},
-        "cost_model": cost, "cost_model_end": cost_end, "results": results, "hf": hf_rows, "runs": runs,
+        "cost_model": costs[kind], "cost_model_end": costs_end[kind],
+        "feature_cost_model": {"start": costs["feature"], "end": costs_end["feature"]} if feature else None,
+        "results": results, "hf": hf_rows, "runs": runs,
     }
     report["timing_reliability"] = timing_reliability(report, s.device.type)
     report["verdict"] = verdict(results, report["timing_reliability"])
     return report
+
+
+def draft_record(ref: str, model: torch.nn.Module, target_params: int) -> dict:
+    """A draft's reference, size (every weight it adds) and vocabulary subset, for the report header."""
+    params = param_count(model)
+    if isinstance(model, FeatureDraft):
+        subset, layers = model.config.draft_vocab_size, model.config.target_layers
+    else:
+        vocab = VocabSubset.from_config(model.config)
+        subset, layers = (vocab.size if vocab is not None else None), None
+    return {"ref": ref, "params": params, "param_ratio": params / target_params, "vocab_subset": subset,
+            "target_layers": layers}
 
 
 def log_to_wandb(tracker, report: dict) -> None:
@@ -304,8 +403,12 @@ def log_to_wandb(tracker, report: dict) -> None:
 def hf_comparisons(s: Setup, results: list[dict], greedy_tokens: dict[tuple[str, str], list[int]]) -> list[dict]:
     """HF greedy, assisted generation and prompt lookup on the same prompts (greedy, timed the same way)."""
     ev = s.cfg.eval
-    assistant = full_vocab_view(s.draft) if VocabSubset.from_config(s.draft.config) is not None else s.draft
-    methods = [("hf greedy", None)] + [(m, k) for k in ev.hf_ks for m in ("hf assisted", "hf prompt lookup")]
+    # HF assisted generation runs a standalone draft only (it has no feature-draft mode).
+    assistant = s.draft
+    if s.draft is not None and VocabSubset.from_config(s.draft.config) is not None:
+        assistant = full_vocab_view(s.draft)
+    kinds = ("hf assisted", "hf prompt lookup") if assistant is not None else ("hf prompt lookup",)
+    methods = [("hf greedy", None)] + [(m, k) for k in ev.hf_ks for m in kinds]
     # HF assisted generation runs the draft alone: compare it with our draft-only rows.
     ours = {(r["prompt_set"], r["k"]): r for r in results if r["temperature"] == 0 and r["proposer"] == "draft"}
     rows = []
@@ -359,12 +462,12 @@ def print_headline(report: dict, out_dir: Path) -> None:
         print("\ntimings unreliable: machine busy; the go/no-go verdict is withheld:")
         for reason in reliability["reasons"]:
             print(f"  - {reason}")
-    print(f"\n{'prompts':<22}{'T':>5}{'proposer':>14}{'k':>4}{'alpha':>8}{'tau':>7}{'speedup':>9}{'pred':>7}"
+    print(f"\n{'prompts':<22}{'T':>5}{'proposer':>16}{'k':>4}{'alpha':>8}{'tau':>7}{'speedup':>9}{'pred':>7}"
           "  greedy-identical")
     for r in report["results"]:
         same = "-" if r["greedy_identical"] is None else str(r["greedy_identical"])
         pred = f"{r['predicted_speedup']:.2f}" if r["predicted_speedup"] else "-"
-        print(f"{r['prompt_set']:<22}{r['temperature']:>5}{r['proposer']:>14}{r['k']:>4}{r['alpha']:>8.2f}{r['tau']:>7.2f}"
+        print(f"{r['prompt_set']:<22}{r['temperature']:>5}{r['proposer']:>16}{r['k']:>4}{r['alpha']:>8.2f}{r['tau']:>7.2f}"
               f"{r['speedup']:>8.2f}x{pred:>7}  {same}")
     for r in report["hf"]:
         extra = f", ours speculative is {r['ours_over_this']:.2f}x this" if r.get("ours_over_this") else ""

@@ -43,7 +43,7 @@ def cli_config(argv: list[str] | None, description: str) -> Config:
 
 def _help_epilog() -> str:
     lines = ["config keys (defaults):"]
-    sections = ("generate", "distill", "eval", "wandb")
+    sections = ("generate", "distill", "eval", "engines", "wandb")
     for section in (None,) + sections:
         cls = Config if section is None else typing.get_type_hints(Config)[section]
         for f in dataclasses.fields(cls):
@@ -51,5 +51,8 @@ def _help_epilog() -> str:
                 continue
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             key = f.name if section is None else f"{section}.{f.name}"
-            lines.append(f"  {key} = {default!r}")
+            if dataclasses.is_dataclass(default):  # a nested group, e.g. generate.vllm: one line per key
+                lines += [f"  {key}.{name} = {value!r}" for name, value in dataclasses.asdict(default).items()]
+            else:
+                lines.append(f"  {key} = {default!r}")
     return "\n".join(lines)

@@ -35,6 +35,27 @@ class ConfigError(UserError):
 
 
 @dataclass
+class VllmGenerateConfig:
+    """generate.engine=vllm: where vLLM lives and how it spreads the target (passed to vllm.LLM)."""
+    python: str = ".venv-vllm/bin/python"
+    """The vLLM environment's interpreter (`make setup-vllm`); a relative path is from the working directory."""
+    tensor_parallel_size: int = 1
+    """GPUs each vLLM instance splits every layer across (one instance per generate-data rank)."""
+    pipeline_parallel_size: int = 1
+    """Groups of layers each instance spreads over further GPUs (GPUs per instance = tensor x pipeline)."""
+    max_model_len: int = 0
+    """Context length vLLM reserves per sequence (0 = the target's); prompts that do not fit with
+    max_new_tokens are skipped and reported, as generate.max_prompt_tokens does."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of each GPU's memory vLLM may use (weights + KV cache)."""
+    kv_cache_memory_bytes: int = 0
+    """KV cache size in bytes; 0 = vLLM's own sizing on GPUs (from gpu_memory_utilization), 1 GiB on CPU."""
+    llm_args: dict[str, int | float | bool | str] = field(default_factory=dict)
+    """Further vllm.LLM(...) keyword arguments, e.g. {enforce_eager: true, quantization: fp8}; they are
+    part of the resume fingerprint."""
+
+
+@dataclass
 class GenerateConfig:
     out_dir: str = "data/default"
     """Where Parquet shards and manifest.json are written."""
@@ -73,6 +94,11 @@ class GenerateConfig:
     stream, softmax): ~2x faster batches on CPUs with avx512_bf16, logprobs within KL ~5e-4 of fp32."""
     backend: str = "auto"
     """'auto' uses the lean batched Llama runner when it applies, 'lean' requires it, 'hf' forces HF forwards."""
+    engine: str = "auto"
+    """'project' (this project's batched runner), 'vllm' (vLLM in its own environment, `make setup-vllm`:
+    the same shards and manifest) or 'auto': the engine that started out_dir, else vllm where
+    generate.vllm.python imports it and the target is a model folder or hub id, else project."""
+    vllm: VllmGenerateConfig = field(default_factory=VllmGenerateConfig)
     stop_after_shards: int = 0
     """Stop each rank after writing this many shards (0 = finish); a rerun resumes. For time-boxed runs and tests."""
 
@@ -87,6 +113,15 @@ class GenerateConfig:
         out += _not_one_of("generate.mode", self.mode, ("generate", "score"))
         out += _not_one_of("generate.backend", self.backend, ("auto", "lean", "hf"))
         out += _not_one_of("generate.dtype", self.dtype, DTYPE_NAMES)
+        out += _not_one_of("generate.engine", self.engine, ("auto", "project", "vllm"))
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self.vllm, name) <= 0:
+                out.append(f"generate.vllm.{name} must be >= 1")
+        for name in ("max_model_len", "kv_cache_memory_bytes"):
+            if getattr(self.vllm, name) < 0:
+                out.append(f"generate.vllm.{name} must be >= 0 (0 = vLLM's default)")
+        if not 0 < self.vllm.gpu_memory_utilization <= 1:
+            out.append(f"generate.vllm.gpu_memory_utilization: {self.vllm.gpu_memory_utilization} is outside (0, 1]")
         for name in ("batch_size", "shard_size", "samples_per_prompt", "max_new_tokens"):
             if getattr(self, name) <= 0:
                 out.append(f"generate.{name} must be >= 1")
@@ -105,6 +140,9 @@ class DistillConfig:
     """Only rows from these prompt sources, e.g. [gsm8k] for a workload-specialised draft (empty = all)."""
     out_dir: str = "runs/default"
     """Run folder: checkpoints/step-N/, final/, metrics."""
+    draft_kind: str = "standalone"
+    """'standalone': a small language model of its own (distill/draft.py). 'feature': an EAGLE-3-style
+    head reading the target's hidden states (decode/feature_draft.py; needs teacher=online)."""
     init: str = "scratch"
     """'scratch' builds a draft in the target's family; otherwise a pretrained HF model reference."""
     param_ratio: float = 0.02
@@ -112,14 +150,16 @@ class DistillConfig:
     num_layers: int = 2
     """Draft depth; shallow and wide is faster per step."""
     vocab_subset: int = 0
-    """Draft output vocabulary: the N most frequent tokens in the data (0 = full vocabulary)."""
+    """Draft output vocabulary: the N most frequent tokens in the data (0 = full vocabulary; a feature
+    draft's head rows, 0 = three quarters of what param_ratio leaves after its fixed layers)."""
     spread_other: bool = False
     """With a vocab_subset: train the "other" row as its mass spread evenly over the tokens outside the
     subset, so `python -m distill.export --format hf-full` gives a full-vocabulary draft with exactly the
     trained distribution. The decoder then samples such a draft over the full vocabulary (its speed and
     acceptance against the default are not measured yet, hence off by default)."""
     embed_init: str = "target"
-    """'target' initialises draft embeddings from a low-rank projection of the target's; 'random' does not."""
+    """'target' initialises draft embeddings from a low-rank projection of the target's (a feature draft:
+    its head from the target's head rows of the subset and its final norm); 'random' does not."""
     lora_rank: int = 0
     """With a pretrained init: train LoRA adapters of this rank and merge on export (0 = full fine-tune)."""
     teacher: str = "cached"
@@ -162,12 +202,24 @@ class DistillConfig:
     """Save and exit (as on SIGTERM) after this many steps in this invocation: chunked jobs, tests (0 = off)."""
     tau_k: int = 4
     """Draft length k for the τ implied by the held-out α (decode.stats.expected_tau)."""
+    feature_layers: list[int] = field(default_factory=list)
+    """Feature draft: the target's decoder layers it reads, 0-based (empty = low, middle and high:
+    decode.feature_draft.default_target_layers)."""
+    feature_intermediate_size: int = 0
+    """Feature draft: MLP width (0 = what param_ratio leaves after its fixed layers and head)."""
+    ttt_steps: int = 3
+    """Feature draft: steps it is unrolled on its own outputs in training (EAGLE-3's training-time test)."""
+    ttt_decay: float = 0.8
+    """Feature draft: the loss of unrolled step j weighs ttt_decay**j (EAGLE-3's 0.8)."""
 
     def problems(self) -> list[str]:
         """This section's impossible values, one message each; warns about unusual draft sizes."""
         out = _not_one_of("distill.teacher", self.teacher, ("cached", "online"))
         out += _not_one_of("distill.precision", self.precision, ("auto",) + DTYPE_NAMES)
         out += _not_one_of("distill.embed_init", self.embed_init, ("target", "random"))
+        out += _not_one_of("distill.draft_kind", self.draft_kind, ("standalone", "feature"))
+        if self.draft_kind == "feature":
+            out += self._feature_problems()
         if not 0 < self.param_ratio < 1:
             out.append(f"distill.param_ratio: {self.param_ratio} must be in (0, 1)")
         elif not 0.01 <= self.param_ratio <= 0.03:
@@ -191,6 +243,29 @@ class DistillConfig:
             out.append(f"distill.lr_schedule_steps={self.lr_schedule_steps} must be >= 0 (0 = max_steps)")
         if self.deepspeed_config and not Path(self.deepspeed_config).is_file():
             out.append(f"distill.deepspeed_config: {self.deepspeed_config!r} does not exist")
+        return out
+
+    def _feature_problems(self) -> list[str]:
+        """A feature draft's settings (the layers' upper bound needs the target: distill/training/feature.py)."""
+        out = []
+        if self.teacher != "online":
+            out.append("distill.draft_kind=feature reads the target's hidden states, which no shard stores: "
+                       "set distill.teacher=online")
+        if self.init != "scratch":
+            out.append("distill.draft_kind=feature trains from scratch: leave distill.init=scratch")
+        if self.spread_other:
+            out.append("distill.spread_other: a feature draft's head has no \"other\" row; leave it false")
+        if self.loss.get("ce"):
+            out.append("distill.loss: 'ce' needs a head row for every sampled token, which a feature draft's "
+                       "subset head lacks; use forward_kl, reverse_kl, jsd or tvd")
+        if any(i < 0 for i in self.feature_layers) or len(set(self.feature_layers)) != len(self.feature_layers):
+            out.append(f"distill.feature_layers={self.feature_layers}: list distinct 0-based layer indices")
+        if self.feature_intermediate_size < 0 or self.vocab_subset < 0:
+            out.append("distill.feature_intermediate_size and distill.vocab_subset must be >= 0 (0 = sized to fit)")
+        if self.ttt_steps < 1:
+            out.append(f"distill.ttt_steps={self.ttt_steps} must be >= 1")
+        if not 0 < self.ttt_decay <= 1:
+            out.append(f"distill.ttt_decay={self.ttt_decay} must be in (0, 1]")
         return out
 
 
@@ -225,6 +300,10 @@ class EvalConfig:
     lookup_ngram: int = 0
     """> 0: also run every k with prompt lookup added to the draft (matching the last n..2 tokens,
     decode/lookup.py), reported as 'draft+lookup' rows next to the draft-only ones (0 = off)."""
+    feature_draft: str | None = None
+    """A feature draft folder (a `distill.draft_kind=feature` run's final/) measured next to `draft` on the
+    same prompts, as 'feature' (and 'feature+lookup') rows; None: none. A `draft` that is itself a
+    feature draft gives those rows alone."""
 
     def sampling(self, temperature: float) -> SamplingParams:
         """The sampling parameters of one swept temperature."""
@@ -254,6 +333,64 @@ class EvalConfig:
         return out
 
 
+ENGINE_NAMES = ("hf", "vllm", "llamacpp")
+GGUF_QUANTS = ("f16", "q8_0")
+"""The GGUF files `make export` writes of the draft and the target (distill/export/gguf.py)."""
+
+
+@dataclass
+class EnginesConfig:
+    """`make eval-engines` (python -m decode.engines): the exported draft inside serving engines, on
+    eval-speedup's prompts (eval.prompts, num_prompts, max_new_tokens, temperatures, top_k, top_p)."""
+    run: list[str] = field(default_factory=lambda: list(ENGINE_NAMES))
+    """Engines to measure: 'hf' (transformers generate), 'vllm', 'llamacpp'."""
+    ks: list[int] = field(default_factory=lambda: [4])
+    """Draft lengths of the draft and n-gram modes (vLLM num_speculative_tokens, llama.cpp
+    --spec-draft-n-max and --spec-ngram-simple-size-m, HF num_assistant_tokens and prompt_lookup_num_tokens)."""
+    ngram: int = 3
+    """n-gram modes match the last this-many tokens (vLLM prompt_lookup_max, llama.cpp
+    --spec-ngram-simple-size-n, HF max_matching_ngram_size)."""
+    export_dir: str | None = None
+    """`make export`'s folder: hf/, gguf/, target-gguf/ (default: <distill.out_dir>/export)."""
+    vllm_dtype: str = "auto"
+    """'auto' (the dtype the exported draft was saved in, i.e. trained in), 'fp32' or 'bf16'."""
+    vllm_kv_cache_bytes: int = 1 << 30
+    """vLLM's KV cache (kv_cache_memory_bytes); its default would claim most of the machine's memory.
+    vLLM runs under generate.vllm.python, the environment `make setup-vllm` creates."""
+    llamacpp_bin: str = ".llamacpp/bin"
+    """The llama.cpp tools `make setup-llamacpp` builds."""
+    llamacpp_target: str = "f16"
+    """The target llama.cpp runs: 'f16' or 'q8_0' (target-<quant>.gguf from `make export`, written by the
+    project's GGUF writer), 'embedded' (the wheel's Q4_1 file) or the path of a .gguf file."""
+    llamacpp_draft: str = "f16"
+    """Which of the draft's GGUF files llama.cpp runs: 'f16' or 'q8_0'."""
+    threads: int = 0
+    """CPU threads of every engine (llama.cpp -t, HF torch threads, vLLM OMP_NUM_THREADS); 0 = every core.
+    The same for all, as the engines' own defaults differ (vLLM serves on one thread)."""
+    timeout_minutes: float = 30.0
+    """Give up on one engine run (a subprocess) after this long."""
+
+    def problems(self) -> list[str]:
+        """This section's impossible values, one message each (empty when all is well)."""
+        out = [f"engines.run: unknown engine {name!r}{_suggest(name, ENGINE_NAMES)}; known: {', '.join(ENGINE_NAMES)}"
+               for name in self.run if name not in ENGINE_NAMES]
+        if not self.run:
+            out.append("engines.run is empty; list at least one of " + ", ".join(ENGINE_NAMES))
+        if not self.ks:
+            out.append("engines.ks is empty")
+        out += [f"engines.ks: k={k}; the draft length k must be >= 1" for k in self.ks if k <= 0]
+        out += _not_one_of("engines.vllm_dtype", self.vllm_dtype, ("auto",) + DTYPE_NAMES)
+        out += _not_one_of("engines.llamacpp_draft", self.llamacpp_draft, GGUF_QUANTS)
+        for name in ("ngram", "vllm_kv_cache_bytes"):
+            if getattr(self, name) <= 0:
+                out.append(f"engines.{name} must be >= 1")
+        if self.threads < 0:
+            out.append(f"engines.threads={self.threads} must be >= 0 (0 = every core)")
+        if self.timeout_minutes <= 0:
+            out.append(f"engines.timeout_minutes={self.timeout_minutes} must be > 0")
+        return out
+
+
 @dataclass
 class WandbConfig:
     mode: str = "auto"
@@ -274,11 +411,13 @@ class Config:
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    engines: EnginesConfig = field(default_factory=EnginesConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def validate(self) -> None:
         """Check values that are well-typed but impossible, in every section. Raises ConfigError."""
-        problems = self.generate.problems() + self.distill.problems() + self.eval.problems()
+        problems = (self.generate.problems() + self.distill.problems() + self.eval.problems()
+                    + self.engines.problems())
         if "data:eval" in self.eval.prompts and self.generate.eval_fraction == 0:
             problems.append("eval.prompts: 'data:eval' is the held-out split of generate.out_dir, which "
                             "generate.eval_fraction=0 leaves empty")

@@ -11,6 +11,7 @@ import copy
 import torch
 from transformers import GenerationConfig
 
+from decode.sampling import SamplingParams
 from decode.vocab import VocabSubset
 
 
@@ -35,10 +36,14 @@ def full_vocab_view(draft):
 
 
 def hf_generate(target, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id, *, assistant=None,
-                k: int = 4, prompt_lookup: bool = False) -> torch.Tensor:
-    """Greedy HF generate; returns the new tokens [n]."""
-    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id,
+                k: int = 4, prompt_lookup: bool = False, ngram: int = 2,
+                sampling: SamplingParams = SamplingParams()) -> torch.Tensor:
+    """HF generate, greedy unless `sampling` has a temperature (then seeded by torch's global generator);
+    returns the new tokens [n]. ngram: prompt lookup's longest matched n-gram (HF's default is 2)."""
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=not sampling.greedy, eos_token_id=eos_token_id,
                               pad_token_id=eos_token_id if isinstance(eos_token_id, int) else None)
+    if not sampling.greedy:  # set all three: unset ones would fall back to the model's generation defaults
+        config.temperature, config.top_k, config.top_p = sampling.temperature, sampling.top_k, sampling.top_p
     kwargs = {}
     if assistant is not None:
         config.num_assistant_tokens = k
@@ -47,6 +52,7 @@ def hf_generate(target, input_ids: torch.Tensor, max_new_tokens: int, eos_token_
         kwargs["assistant_model"] = assistant
     if prompt_lookup:
         config.prompt_lookup_num_tokens = k
+        config.max_matching_ngram_size = ngram
     with torch.inference_mode():
         out = target.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                               generation_config=config, **kwargs)

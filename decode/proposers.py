@@ -11,7 +11,8 @@ The acceptance rule stays exact for any proposer as long as each Proposal carrie
 each token was drawn from (None: proposed with probability 1) and depends only on the text so far.
   DraftProposer     a draft LM sampled at each position (its cache rolled back by length)
   LookupProposer    prompt lookup alone: tokens copied from earlier text (decode/lookup.py)
-  LookupThenDraft   at each position lookup first, else the draft
+  LookupThenDraft   at each position lookup first, else the draft (a draft LM or a feature draft)
+  FeatureProposer   a feature-level draft reading the target's hidden states (decode/feature_proposer.py)
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ class Proposal:
     """[N] token id of each draft row; None when row r is token r."""
     from_lookup: list[bool]
     """Per token, whether prompt lookup proposed it (no draft forward)."""
+    draft_forwards: int
+    """Draft forward passes this proposal ran (the cost model's s): one per drafted token for a draft LM;
+    a feature draft also runs one per looked-up token it reads through before drafting again."""
 
 
 class Proposer(Protocol):
@@ -54,6 +58,25 @@ class Proposer(Protocol):
 
     def rollback(self, n_committed: int) -> None:
         """Verification kept `n_committed` tokens: forget whatever was read beyond them."""
+
+
+class Drafter(Protocol):
+    """A draft that proposes one token at a time: what LookupThenDraft puts behind prompt lookup."""
+
+    draft_ids: torch.Tensor | None
+    """[N] token id of each row of the distributions `step` returns; None when row r is token r."""
+    max_length: int | None
+    forwards: int
+    """Draft forward passes run so far (a block's count is the difference)."""
+
+    def reset(self, prompt_ids: list[int]) -> None: ...
+
+    def step(self, context: list[int], sampling: SamplingParams,
+             generator: torch.Generator | None) -> tuple[int, torch.Tensor | None] | None:
+        """The next token after `context` and the distribution it was drawn from (None: greedy), or None
+        when the draft cannot propose there."""
+
+    def rollback(self, n_committed: int) -> None: ...
 
 
 class DraftProposer:
@@ -72,6 +95,7 @@ class DraftProposer:
         row_sampled = subset is not None and not subset.spread_other
         self.draft_ids = subset.ids if row_sampled else None  # [N] id of each row; None: row r is token r
         self.max_length = runner.max_length
+        self.forwards = 0
 
     def reset(self, prompt_ids: list[int]) -> None:
         self.runner.reset()
@@ -95,6 +119,7 @@ class DraftProposer:
         than one after a block proposed by lookup alone)."""
         ids = self._readable(context[self.runner.length:])
         logits = self.runner.forward(ids, 1, full_vocab=self.draft_ids is None)[0]  # [N] or [V]
+        self.forwards += 1
         if sampling.greedy:
             row, probs = int(logits.argmax()), None
         else:
@@ -110,7 +135,7 @@ class DraftProposer:
             token, probs = self.step(committed + tokens, sampling, generator)
             tokens.append(token)
             draft_probs.append(probs)
-        return Proposal(tokens, draft_probs, self.draft_ids, [False] * k)
+        return Proposal(tokens, draft_probs, self.draft_ids, [False] * k, k)
 
     def rollback(self, n_committed: int) -> None:
         # Back to "everything committed but the last token" (less if the draft has not read that far).
@@ -143,7 +168,7 @@ class LookupProposer:
         tokens: list[int] = []
         while len(tokens) < k and (token := self.guess(committed, tokens)) is not None:
             tokens.append(token)
-        return Proposal(tokens, [None] * len(tokens), None, [True] * len(tokens))
+        return Proposal(tokens, [None] * len(tokens), None, [True] * len(tokens), 0)
 
     def rollback(self, n_committed: int) -> None:
         """Nothing to forget: the index never holds proposed tokens."""
@@ -151,9 +176,9 @@ class LookupProposer:
 
 class LookupThenDraft:
     """At each position prompt lookup first, else the draft, which catches up on the looked-up and
-    committed tokens it skipped on its next forward."""
+    committed tokens it skipped on its next forward. The block ends where neither proposes."""
 
-    def __init__(self, lookup: LookupProposer, draft: DraftProposer):
+    def __init__(self, lookup: LookupProposer, draft: Drafter):
         self.lookup, self.draft = lookup, draft
         self.max_length = draft.max_length
 
@@ -166,15 +191,19 @@ class LookupThenDraft:
         tokens: list[int] = []
         draft_probs: list[torch.Tensor | None] = []
         from_lookup: list[bool] = []
+        forwards = self.draft.forwards
         for _ in range(k):
             token, probs = self.lookup.guess(committed, tokens), None
             looked_up = token is not None
             if not looked_up:
-                token, probs = self.draft.step(committed + tokens, sampling, generator)
+                drafted = self.draft.step(committed + tokens, sampling, generator)
+                if drafted is None:
+                    break
+                token, probs = drafted
             tokens.append(token)
             draft_probs.append(probs)
             from_lookup.append(looked_up)
-        return Proposal(tokens, draft_probs, self.draft.draft_ids, from_lookup)
+        return Proposal(tokens, draft_probs, self.draft.draft_ids, from_lookup, self.draft.forwards - forwards)
 
     def rollback(self, n_committed: int) -> None:
         self.lookup.rollback(n_committed)

@@ -26,21 +26,31 @@ def reliability_lines(reliability: dict) -> list[str]:
             f"{step['end']:.1f} ms after, HF greedy ≤ {_fmt(hf)}× our target-only.", ""]
 
 
+def _draft_part(name: str, draft: dict | None) -> str:
+    """', draft `ref` (2.36M params, 1.75% of the target)' for the header line; '' without that draft."""
+    if not draft:
+        return ""
+    layers = f", reads layers {draft['target_layers']}" if draft.get("target_layers") else ""
+    return (f", {name} `{draft['ref']}` ({draft['params'] / 1e6:.2f}M params, "
+            f"{100 * draft['param_ratio']:.2f}% of the target{layers})")
+
+
 def write_markdown(report: dict, path: Path) -> None:
     cm, cm_end = report["cost_model"], report["cost_model_end"]
     lines = [f"# Speculative decoding report: {report['config']['name']}", "",
              *reliability_lines(report["timing_reliability"]),
              f"- command: `{report['command']}`",
              f"- date: {report['date']} · device: {report['device']} · git {report['git_sha']}",
-             f"- target `{report['target']['ref']}` ({report['target']['params'] / 1e6:.1f}M params), "
-             f"draft `{report['draft']['ref']}` ({report['draft']['params'] / 1e6:.2f}M params, "
-             f"{100 * report['draft']['param_ratio']:.2f}% of the target)",
+             f"- target `{report['target']['ref']}` ({report['target']['params'] / 1e6:.1f}M params)"
+             + "".join(_draft_part(name, report.get(key)) for name, key in (("draft", "draft"),
+                                                                           ("feature draft", "feature_draft"))),
              f"- {report['max_new_tokens']} new tokens per prompt, batch 1, backend `{report['backend']}`; "
              "speedup = speculative tokens/s ÷ target-only tokens/s, timed interleaved in one process",
              "", "## Headline", "", report["verdict"], "",
              "## Speculative vs target-only", "",
              "`draft+lookup` rows add prompt lookup to the draft (decode/lookup.py): looked up = proposed "
-             "tokens that came from an earlier n-gram instead of the draft (accepted ones in brackets).", "",
+             "tokens that came from an earlier n-gram instead of the draft (accepted ones in brackets). "
+             "`feature` rows: the feature draft, which reads the target's hidden states (decode/feature_draft.py).", "",
              "speedup = pooled tokens/s ratio over the prompts; per prompt = the median (min–max) of each "
              "prompt's own ratio, which one slow run on a shared machine moves less.", "",
              "| prompts | T | proposer | k | α | τ | looked up | target-only tok/s | speculative tok/s | speedup | "
@@ -48,7 +58,7 @@ def write_markdown(report: dict, path: Path) -> None:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in report["results"]:
         same = "–" if row["greedy_identical"] is None else ("yes" if row["greedy_identical"] else "**NO**")
-        looked_up = f"{row['looked_up']} ({row['looked_up_accepted']})" if row["proposer"] != "draft" else "–"
+        looked_up = f"{row['looked_up']} ({row['looked_up_accepted']})" if "+lookup" in row["proposer"] else "–"
         per_prompt = row["speedup_per_prompt"]
         lines.append(f"| {row['prompt_set']} ({row['n_prompts']}) | {row['temperature']} | {row['proposer']} | "
                      f"{row['k']} | {_fmt(row['alpha'])} | {_fmt(row['tau'])} | {looked_up} | "
@@ -66,6 +76,15 @@ def write_markdown(report: dict, path: Path) -> None:
               "| k | " + " | ".join(str(k) for k in cm["r"]) + " |",
               "|---|" + "---|" * len(cm["r"]),
               "| r(k) | " + " | ".join(f"{v:.2f}" for v in cm["r"].values()) + " |"]
+    feature_cost = report.get("feature_cost_model")
+    if feature_cost and report.get("draft"):  # alone, the feature draft's is the cost model above
+        fc, fc_end = feature_cost["start"], feature_cost["end"]
+        lines += ["", f"Feature draft (`feature` rows), on the target runner that keeps the layers it reads: target "
+                  f"step {fc['target_step_ms']:.2f} ms, draft step {fc['draft_step_ms']:.2f} ms, c = {fc['c']:.3f} "
+                  f"(after the timed runs: {fc_end['target_step_ms']:.2f} ms, {fc_end['draft_step_ms']:.2f} ms). "
+                  "Its s also counts the forwards through looked-up tokens it reads before drafting again.", "",
+                  "| k | " + " | ".join(str(k) for k in fc["r"]) + " |", "|---|" + "---|" * len(fc["r"]),
+                  "| r(k) | " + " | ".join(f"{v:.2f}" for v in fc["r"].values()) + " |"]
     if report.get("hf"):
         lines += ["", "## Hugging Face generate on the same prompts (greedy)", "",
                   "| prompts | method | k | tok/s | vs our target-only | ours speculative ÷ this | same tokens as ours |",
@@ -74,6 +93,8 @@ def write_markdown(report: dict, path: Path) -> None:
             lines.append(f"| {row['prompt_set']} | {row['method']} | {row.get('k') or '–'} | "
                          f"{_fmt(row['tok_s'], 1)} | {_fmt(row['vs_our_baseline'])}× | "
                          f"{_fmt(row.get('ours_over_this'), unit='×')} | {row['identical_to_ours']} |")
+    if report.get("engines"):
+        lines += ["", *engine_lines(report["engines"], report["engines_setup"])]
     lines += ["", "## Per prompt", "", "| prompts | prompt | T | proposer | k | tokens | speedup | greedy identical |",
               "|---|---|---|---|---|---|---|---|"]
     for run in report["runs"]:
@@ -81,6 +102,38 @@ def write_markdown(report: dict, path: Path) -> None:
         lines.append(f"| {run['prompt_set']} | {run['prompt_id']} | {run['temperature']} | {run['proposer']} | {run['k']} | "
                      f"{run['speculative_tokens']} | {_fmt(run['speedup'])}× | {same} |")
     lines += ["", "Plots: `acceptance_by_position.png`, `speedup_vs_k.png`. Samples: `samples.jsonl`."]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def engine_lines(rows: list[dict], setup: dict) -> list[str]:
+    """The "Serving engines" section: our exported draft and each engine's own n-gram mode inside the
+    engine, against the same engine's plain decoding (`make eval-engines`, decode/engines/)."""
+    lines = ["## Serving engines", "",
+             f"`{setup['command']}` ({setup['date']}, {setup['threads']} threads per engine). The same "
+             "prompt token ids in every engine, batch 1. speedup = tokens/s ÷ the same engine's plain "
+             "tokens/s; α = accepted ÷ drafted tokens; τ = tokens per target forward; greedy identical = "
+             "every prompt's output equals the engine's plain greedy output; log p = the target's mean "
+             "log-probability per output token at that T (sampled outputs of a lossless engine score like "
+             "its plain ones).", "",
+             *[f"- {name}: {value}" for name, value in setup["files"].items()], "",
+             "| engine | prompts | T | mode | k | tok/s | speedup | α | τ | greedy identical | log p | notes |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        same = "–" if row["greedy_identical"] is None else ("yes" if row["greedy_identical"] else "**NO**")
+        speedup = "–" if row["mode"] == "plain" else f"**{_fmt(row['speedup'])}×**"
+        lines.append(f"| {row['engine']} | {row['prompt_set']} ({row['n_prompts']}) | {row['temperature']} | "
+                     f"{row['mode']} | {row['k'] or '–'} | {_fmt(row['tok_s'], 1)} | {speedup} | "
+                     f"{_fmt(row['alpha'])} | {_fmt(row['tau'])} | {same} | {_fmt(row['target_logprob'])} | "
+                     f"{'; '.join(row['notes'])} |")
+    return lines
+
+
+def write_engines_markdown(report: dict, path: Path) -> None:
+    """report.md of a report with engine rows only (no eval-speedup run in this folder yet)."""
+    lines = [f"# Serving engines report: {report['config']['name']}", "",
+             f"- target `{report['config']['target']}`, the draft exported to `{report['engines_setup']['export_dir']}`, "
+             f"{report['config']['eval']['max_new_tokens']} new tokens per prompt · git {report['git_sha']}", "",
+             *engine_lines(report["engines"], report["engines_setup"])]
     path.write_text("\n".join(lines) + "\n")
 
 

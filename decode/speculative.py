@@ -183,7 +183,8 @@ def _record(stats: SpeculativeStats, proposal: Proposal, accepted: int, emitted:
     # An EOS inside the block ends it: positions after the EOS were never really tested.
     accepted = min(accepted, len(emitted))
     stats.record_block(proposed=proposed, tried=min(tried, len(emitted)), accepted=accepted,
-                       emitted=len(emitted), looked_up=sum(proposal.from_lookup),
+                       emitted=len(emitted), draft_forwards=proposal.draft_forwards,
+                       looked_up=sum(proposal.from_lookup),
                        looked_up_accepted=sum(proposal.from_lookup[:accepted]))
 
 

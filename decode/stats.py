@@ -21,6 +21,9 @@ class SpeculativeStats:
     """Target forward passes after the prompt prefill (one per block)."""
     looked_up: int = 0
     """Proposed tokens that came from prompt lookup instead of a draft forward."""
+    draft_forwards: int = 0
+    """Draft forward passes (one per drafted token for a draft LM; a feature draft also runs through
+    looked-up tokens before drafting again)."""
     looked_up_accepted: int = 0
     """Of the accepted tokens, those that came from prompt lookup."""
     position_tried: list[int] = field(default_factory=list)
@@ -35,11 +38,13 @@ class SpeculativeStats:
             self.position_accepted = [0] * self.k
             self.accept_length_hist = [0] * (self.k + 1)
 
-    def record_block(self, proposed: int, tried: int, accepted: int, emitted: int, looked_up: int = 0,
-                     looked_up_accepted: int = 0) -> None:
-        """One verify pass: `proposed` drafted (`looked_up` of them by prompt lookup), `tried`
-        positions tested, the first `accepted` kept (`looked_up_accepted` of them looked up)."""
+    def record_block(self, proposed: int, tried: int, accepted: int, emitted: int, draft_forwards: int,
+                     looked_up: int = 0, looked_up_accepted: int = 0) -> None:
+        """One verify pass: `proposed` drafted (`looked_up` of them by prompt lookup) in `draft_forwards`
+        draft forwards, `tried` positions tested, the first `accepted` kept (`looked_up_accepted` of
+        them looked up)."""
         self.proposed += proposed
+        self.draft_forwards += draft_forwards
         self.looked_up += looked_up
         self.looked_up_accepted += looked_up_accepted
         self.tried += tried
@@ -70,7 +75,7 @@ class SpeculativeStats:
     @property
     def draft_steps_per_forward(self) -> float:
         """Draft forwards per target forward: k without prompt lookup (fewer in the last block)."""
-        return (self.proposed - self.looked_up) / self.target_forwards if self.target_forwards else 0.0
+        return self.draft_forwards / self.target_forwards if self.target_forwards else 0.0
 
     @property
     def per_position_acceptance(self) -> list[float]:

@@ -3,17 +3,21 @@
     python -m distill.generate --config configs/tiny.yaml generate.out_dir=data/x
     torchrun --standalone --nproc_per_node 2 -m distill.generate --config configs/smollm2.yaml
 
-setup (target, engine) -> plan (prompts -> rows -> shards) -> resume check -> for each of this
-rank's missing shards: engine -> shard -> manifest. Each rank (RANK/WORLD_SIZE from torchrun; one
-plain process otherwise) owns shards i with i % world_size == rank and writes them atomically; a
-rerun after a kill finishes only the shards that are missing. Rank 0 writes manifest.json once
-every rank has passed the final barrier. The pieces live in distill/generation/.
+setup (engine choice, target, engine) -> plan (prompts -> rows -> shards) -> resume check -> this
+rank's missing shards through the engine, each written as soon as its rows are back -> manifest.
+Each rank (RANK/WORLD_SIZE from torchrun; one plain process otherwise) owns shards i with
+i % world_size == rank and writes them atomically; a rerun after a kill finishes only the shards
+that are missing. Rank 0 writes manifest.json once every rank has passed the final barrier.
+generate.engine picks the project's batched runner or vLLM (a worker process in vLLM's own
+environment); both write the same shards. The pieces live in distill/generation/.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from contextlib import ExitStack
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -21,15 +25,17 @@ from tqdm import tqdm
 
 from decode.cli import cli_config, run_cli
 from decode.config import Config, ConfigError, config_to_dict, save_config
-from decode.models import load_model, load_tokenizer, torch_dtype
+from decode.models import load_model, load_tokenizer, resolve_device, torch_dtype
 from decode.runners import make_batched_runner
 from decode.tracking import start_wandb
-from distill.generation.engine import Completion, Engine
+from distill.generation.engine import Completion, Engine, eos_ids
+from distill.generation.engine_choice import choose_engine
 from distill.generation.manifest import write_manifest
 from distill.generation.plan import Row, check_or_write_plan, fingerprint, plan_rows, plan_shards
 from distill.generation.ranks import Ranks
 from distill.generation.runner_engine import RunnerEngine
 from distill.generation.shards import check_shard_readable, remove_stale_temp, rows_to_table, shard_name, write_shard
+from distill.generation.vllm_engine import VllmEngine
 
 
 def run(config: Config) -> dict | None:
@@ -37,16 +43,31 @@ def run(config: Config) -> dict | None:
     config.validate()
     config.check_model_refs("target")
     g = config.generate
-    ranks = Ranks(config.device)
-    try:
+    choice = choose_engine(config)
+    with ExitStack() as cleanup:
+        # vLLM's workers hold the GPUs: the processes around them then talk over gloo, never CUDA.
+        ranks = Ranks("cpu" if choice.name == "vllm" else config.device)
+        cleanup.callback(ranks.close)
+        if ranks.rank == 0:
+            print(choice.reason, file=sys.stderr)
         out_dir = Path(g.out_dir)
         tokenizer = load_tokenizer(config.target)
-        model, runner = load_runner(config, ranks.device)
-        engine = RunnerEngine(runner, eos_ids(tokenizer, model), g.batch_size, g.max_batch_tokens)
+        if choice.name == "vllm":
+            # Not started yet: the plan and resume check come first, and a finished folder never starts vLLM.
+            engine = cleanup.enter_context(VllmEngine(config, choice.vllm_version, tokenizer,
+                                                      cpu=resolve_device(config.device).type == "cpu"))
+            context_length = engine.context_length
+        else:
+            model, runner = load_runner(config, ranks.device)
+            engine = RunnerEngine(runner, eos_ids(tokenizer, model.generation_config), g.batch_size,
+                                  g.max_batch_tokens)
+            context_length = getattr(model.config, "max_position_embeddings", None)
 
-        prompt_set, rows = plan_rows(config, tokenizer, getattr(model.config, "max_position_embeddings", None))
+        prompt_set, rows = plan_rows(config, tokenizer, context_length)
         shards = plan_shards(rows, g.shard_size)
-        run_fingerprint = fingerprint(config, tokenizer, shards, engine.sampler)
+        run_fingerprint = fingerprint(config, tokenizer, shards, choice.name, engine.sampler)
+        if choice.name == "vllm":
+            start_vllm(engine, out_dir, run_fingerprint, shards, ranks)
         start_or_resume(out_dir, config, run_fingerprint, ranks)
         todo = missing_shards(out_dir, shards, ranks, g.stop_after_shards)
 
@@ -62,8 +83,6 @@ def run(config: Config) -> dict | None:
         manifest = write_manifest(out_dir, config, run_fingerprint, prompt_set, shards, throughput)
         report(manifest, out_dir, tokens, tracker)
         return manifest
-    finally:
-        ranks.close()
 
 
 # ----------------------------------------------------------------------------- setup
@@ -80,11 +99,14 @@ def load_runner(config: Config, device: torch.device):
         raise ConfigError(f"generate.backend {g.backend!r}: {e}") from e
 
 
-def eos_ids(tokenizer, model) -> list[int]:
-    """Every id that ends a completion: the tokenizer's EOS and the model's generation_config ones."""
-    configured = model.generation_config.eos_token_id
-    configured = [] if configured is None else [configured] if isinstance(configured, int) else list(configured)
-    return sorted(({tokenizer.eos_token_id} | set(configured)) - {None})
+def start_vllm(engine: VllmEngine, out_dir: Path, run_fingerprint: dict, shards: list[list[Row]],
+               ranks: Ranks) -> None:
+    """Start vLLM (a minute or more, kept out of the tok/s) when this rank has a shard to write, after
+    refusing a folder of other settings and before recording this run's: a target vLLM cannot load
+    leaves a new folder free for another engine."""
+    check_or_write_plan(out_dir, run_fingerprint, write=False)
+    if any(ranks.owns(i) and not (out_dir / shard_name(i)).is_file() for i in range(len(shards))):
+        engine.start()
 
 
 def start_or_resume(out_dir: Path, config: Config, run_fingerprint: dict, ranks: Ranks) -> None:
@@ -121,10 +143,13 @@ def write_shards(engine: Engine, shards: list[list[Row]], todo: list[int], confi
     g = config.generate
     bar = tqdm(total=sum(len(shards[i]) for i in todo), unit="row", disable=ranks.rank != 0,
                desc=f"{g.mode} rank 0/{ranks.world}", dynamic_ncols=True)
+    # One engine call over every row to do, so an engine may batch across shards (vLLM keeps its
+    # batch full); each shard is written as soon as its rows are back.
+    stream = completions(engine, [row for i in todo for row in shards[i]], config)
     tokens, start = 0, time.perf_counter()
     for i in todo:
         shard_start, records = time.perf_counter(), []
-        for row, completion in zip(shards[i], completions(engine, shards[i], config), strict=True):
+        for row, completion in zip(shards[i], islice(stream, len(shards[i])), strict=True):
             records.append(shard_record(row, g.mode, completion))
             tokens += len(completion.completion_ids)
             bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.0f}", refresh=False)

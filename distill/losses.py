@@ -37,9 +37,12 @@ _REST_FLOOR = 1e-6
 
 
 def _masked_sum(per_token: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Σ over positions where mask is True; (sum, count) with count as a float tensor."""
-    # `where`, not a product: an inf at a masked position must not turn the sum into NaN.
-    return torch.where(mask, per_token, torch.zeros_like(per_token)).sum(), mask.to(per_token.dtype).sum()
+    """Σ over positions where mask is True; (sum, count) with count as a float tensor. A float mask
+    weighs each position instead (0 = left out, the count is the total weight): a feature draft weighs
+    its positions by the target's mass inside its vocabulary subset (distill/training/feature_loss.py)."""
+    weight = mask.to(per_token.dtype)
+    # `where`, not a product alone: an inf at a masked position must not turn the sum into NaN.
+    return torch.where(mask != 0, per_token * weight, torch.zeros_like(per_token)).sum(), weight.sum()
 
 
 def kl_per_token(logp_a: torch.Tensor, logp_b: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """`make distill`: train a small draft to imitate the target. The recipe reads top to bottom:
 setup (data, draft, teacher, optimizer, resume) -> loop (train step, maybe evaluate, maybe save)
--> final export (distill/export/).
+-> final export (distill/export/). A feature draft (distill.draft_kind=feature) trains under the same
+loop with its own draft, teacher, loss, evaluation and export: distill/training/feature.py.
 
   python -m distill.train --config configs/tiny.yaml distill.max_steps=20
   torchrun --standalone --nproc_per_node 2 -m distill.train --config ...           CPU: gloo, DDP
@@ -121,7 +122,7 @@ class DistillRecipe:
     def setup_draft(self, target) -> None:
         dc = self.dc
         if dc.init == "scratch":
-            subset = self.choose_subset(target) if dc.vocab_subset else None
+            subset = self.choose_subset(target, dc.vocab_subset) if dc.vocab_subset else None
             self.draft, shape = build_scratch_draft(target, dc.param_ratio, dc.num_layers, subset, dc.embed_init,
                                                     self.config.seed)
             self.say(f"draft: {shape.num_layers} layers, hidden {shape.hidden_size}, mlp {shape.intermediate_size}, "
@@ -135,12 +136,11 @@ class DistillRecipe:
             self.say(f"draft: {dc.init} ({param_count(self.draft) / 1e6:.2f}M params, "
                      f"{trainable / 1e6:.2f}M trainable)")
 
-    def choose_subset(self, target) -> VocabSubset:
-        """The distill.vocab_subset most frequent tokens of the training data, special tokens included."""
+    def choose_subset(self, target, size: int) -> VocabSubset:
+        """The `size` most frequent tokens of the training data, special tokens included."""
         full_vocab = target.get_input_embeddings().weight.shape[0]
         special = [i for i in self.tokenizer.all_special_ids if i < full_vocab]
-        ids = select_vocab(token_counts(self.train_set, full_vocab), self.dc.vocab_subset,
-                           special + [target.config.eos_token_id])
+        ids = select_vocab(token_counts(self.train_set, full_vocab), size, special + [target.config.eos_token_id])
         subset = VocabSubset(ids, full_vocab, spread_other=self.dc.spread_other)
         held = [t for ex in self.eval_set for t in ex.ids[ex.n_prompt:].tolist()]
         if held:
@@ -195,7 +195,7 @@ class DistillRecipe:
         unless any rank saw a non-finite teacher value or loss (then nothing reaches the optimizer)."""
         micro = self.sampler.micro_batches(self.state.step - 1, self.rank)  # the sampler counts from 0
         batches = [self.batch_on_device(indices, self.train_set) for indices in micro]
-        tokens = torch.tensor(float(sum(int(b["loss_mask"].sum()) for b in batches)), device=self.device)
+        tokens = torch.tensor(float(sum(self.loss_tokens(b) for b in batches)), device=self.device)
         global_tokens = self.accelerator.reduce(tokens, "sum")  # before any backward
         # DDP/DeepSpeed average gradients over ranks and accelerate divides by grad_accum:
         # multiplying by both leaves Σ_tokens ∇loss / global_tokens.
@@ -220,6 +220,10 @@ class DistillRecipe:
         sums = self.accelerator.reduce(sums, "sum")
         return StepResult(loss=float(sums[0] / global_tokens.clamp(min=1)), kl=float(sums[1] / sums[2].clamp(min=1)),
                           tokens=int(global_tokens), grad_norm=grad_norm, bad=bad)
+
+    def loss_tokens(self, batch: dict) -> int:
+        """The positions of `batch` the loss sums over (what the step's loss is divided by)."""
+        return int(batch["loss_mask"].sum())
 
     def micro_batch_loss(self, batch: dict):
         """(Σ loss, draft_logp, target_logp, finite) for one micro-batch; the loss mixes the
@@ -293,7 +297,7 @@ class DistillRecipe:
 
     def run_eval(self) -> dict:
         """Held-out metrics, logged; a new best α is exported to best/."""
-        metrics = evaluate(self.model, self.teacher, self.eval_batches(), self.accelerator, self.dc.tau_k)
+        metrics = self.held_out_metrics()
         state = self.state
         if metrics["eval/alpha"] > state.best_alpha:
             state.best_alpha, state.best_step, state.evals_since_best = metrics["eval/alpha"], state.step, 0
@@ -304,6 +308,10 @@ class DistillRecipe:
         self.logger.message(f"step {state.step}: " + ", ".join(f"{k[5:]} {v:.4g}" for k, v in metrics.items()))
         self.last_eval_step = state.step
         return metrics
+
+    def held_out_metrics(self) -> dict:
+        """eval/* metrics on the held-out set; eval/alpha picks best/."""
+        return evaluate(self.model, self.teacher, self.eval_batches(), self.accelerator, self.dc.tau_k)
 
     def eval_batches(self):
         """This rank's share of the held-out set, in the same number of batches on every rank."""
@@ -378,11 +386,21 @@ class DistillRecipe:
         return summary
 
 
+def recipe_class(config) -> type[DistillRecipe]:
+    """The recipe of the config's draft kind (imported here: it builds on this module's DistillRecipe)."""
+    if config.distill.draft_kind == "feature":
+        from distill.training.feature import FeatureRecipe
+
+        return FeatureRecipe
+    return DistillRecipe
+
+
 def train(config) -> dict:
-    recipe = DistillRecipe(config)
+    recipe_kind = recipe_class(config)
+    recipe = recipe_kind(config)
     if not recipe.setup():
         del recipe  # its models go before the fresh recipe builds its own
-        recipe = DistillRecipe(config)  # seeded again: the same initial draft as a run that never saved
+        recipe = recipe_kind(config)  # seeded again: the same initial draft as a run that never saved
         recipe.setup(resume=False)
     return recipe.train()
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from decode.feature_draft import FeatureDraft, FeatureDraftConfig
 from decode.vocab import VocabSubset
 
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -30,6 +31,22 @@ def subset_llama(vocab_ids: list[int], full_vocab_size: int, seed: int = 1,
     draft = small_llama(vocab_size=len(vocab_ids) + 1, seed=seed)
     VocabSubset(vocab_ids, full_vocab_size, spread_other=spread_other).write_to(draft.config)
     return draft
+
+
+def random_feature_draft(target: LlamaForCausalLM, draft_ids: list[int] | None = None, target_layers=(0, 1),
+                         seed: int = 5, init_std: float = 0.3) -> FeatureDraft:
+    """A random feature draft for `target` over `draft_ids` (default: every id). Weights ~ N(0, init_std)
+    as small_llama's, so its distributions are peaked and depend on what it reads."""
+    ids = list(range(target.config.vocab_size)) if draft_ids is None else draft_ids
+    config = FeatureDraftConfig.for_target(target.config, list(target_layers), intermediate_size=2 * target.config.hidden_size,
+                                           draft_vocab_size=len(ids))
+    torch.manual_seed(seed)
+    draft = FeatureDraft(config, torch.tensor(ids))
+    with torch.no_grad():
+        for name, weight in draft.named_parameters():
+            if weight.dim() == 2:
+                weight.normal_(0.0, init_std)
+    return draft.eval()
 
 
 class NegatedLlama(LlamaForCausalLM):

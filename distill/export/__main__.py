@@ -1,4 +1,5 @@
-"""python -m distill.export --run runs/x --out exports/x [--format hf|hf-full|gguf] [--source final|best]"""
+"""python -m distill.export --run runs/x --out exports/x [--format hf|hf-full|gguf|target-gguf|eagle3]
+[--source final|best]"""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="the folder to write")
     parser.add_argument("--format", default="hf", choices=sorted(FORMATS),
                         help="hf: the draft as trained; hf-full: a plain full-vocabulary HF model (HF "
-                             "assistant_model, vLLM, SGLang); gguf: f16 and q8_0 GGUF files (llama.cpp -md)")
+                             "assistant_model, vLLM, SGLang); gguf: f16 and q8_0 GGUF files (llama.cpp -md); "
+                             "target-gguf: the run's target as f16 and q8_0 GGUF files (llama.cpp -m); "
+                             "eagle3: a feature draft as an EAGLE-3 head (vLLM and SGLang method eagle3)")
     parser.add_argument("--source", default="final", choices=["final", "best"],
                         help="final/ (the run's result) or best/ (best held-out α so far, also mid-run)")
     parser.add_argument("--target", help="the target model reference (default: the run's config.yaml `target`)")

@@ -4,7 +4,8 @@ Each format writes into a hidden temporary folder next to --out, renamed into pl
 with export.json saying which draft and format made it: nothing is ever half-written, and an
 existing --out is replaced only when it holds an export of the same draft.
 Refused with a one-line UserError: an unknown format, a source folder that is not a complete
-draft, a draft whose tokenizer is not the target's, an --out that holds something else.
+draft, a draft whose tokenizer is not the target's, an --out that holds something else, a feature
+draft (decode/feature_draft.py) as a standalone draft's format or the other way round.
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ from pathlib import Path
 import yaml
 
 from decode.errors import UserError
-from decode.models import (EMBEDDED, TOKENIZER_FILES, check_tokenizers, embedded_gguf, load_tokenizer,
-                           model_hash)
+from decode.feature_draft import FeatureDraft, check_target, feature_draft_problem, is_feature_draft
+from decode.models import (EMBEDDED, TOKENIZER_FILES, check_tokenizers, embedded_gguf, load_model,
+                           load_tokenizer, model_hash)
 from distill.disk import reporting_full_disk
+from distill.export.eagle3 import write_eagle3
 from distill.export.gguf import GGUFExportError, tokenizer_fields, write_gguf_files
 from distill.export.hf import export_hf
 from distill.export.hf_full import full_vocab_model
+from distill.training.feature_target import target_config
 
 # The run's own records, carried into every export so it says what made it.
 RUN_FILES = ("config.yaml", "metrics.json")
@@ -49,9 +53,9 @@ class ExportOptions:
 class Draft:
     folder: Path
     model: object
-    """The draft as trained (a subset draft's N + 1 rows), in eval mode."""
+    """The draft as trained (a subset draft's N + 1 rows, or a FeatureDraft), in eval mode."""
     tokenizer: object
-    """The draft's own tokenizer (checked equal to the target's)."""
+    """The draft's own tokenizer (checked equal to the target's); None for a feature draft saved without one."""
     target_tokenizer: object
     target_ref: str
     run_files: dict[str, str]
@@ -78,8 +82,28 @@ def write_gguf(draft: Draft, folder: Path, options: ExportOptions) -> None:
         (folder / name).write_text(text)
 
 
-FORMATS = {"hf": write_hf, "hf-full": write_hf_full, "gguf": write_gguf}
+def write_target_gguf(draft: Draft, folder: Path, options: ExportOptions) -> None:
+    """target-f16.gguf and target-q8_0.gguf: the run's target itself for llama.cpp's -m, written like the
+    draft's files (the embedded target's own GGUF is Q4_1; engines compare better at the same precision)."""
+    fields = tokenizer_fields(_target_gguf(draft.target_ref, options.target_gguf))
+    folder.mkdir()
+    write_gguf_files(load_model(draft.target_ref), fields, folder, "target")
+
+
+def write_eagle3_format(draft: Draft, folder: Path, options: ExportOptions) -> None:
+    """A feature draft as the EAGLE-3 head vLLM and SGLang load (distill/export/eagle3.py)."""
+    write_eagle3(draft.model, target_config(draft.target_ref), folder)
+    for name, text in draft.run_files.items():
+        (folder / name).write_text(text)
+
+
+FORMATS = {"hf": write_hf, "hf-full": write_hf_full, "gguf": write_gguf, "target-gguf": write_target_gguf,
+           "eagle3": write_eagle3_format}
 """format name -> writer(draft, folder, options); the writer creates `folder`."""
+STANDALONE_FORMATS = ("hf", "hf-full", "gguf")
+FEATURE_FORMATS = ("eagle3",)
+"""The draft formats of each draft kind: a feature draft reads the target's hidden states, so only
+EAGLE-3 engines run it."""
 
 
 def export_run(run_dir: str | Path, out: str | Path, fmt: str = "hf", source: str = "final",
@@ -90,6 +114,10 @@ def export_run(run_dir: str | Path, out: str | Path, fmt: str = "hf", source: st
         raise UserError(f"unknown export format {fmt!r}; known: {sorted(FORMATS)}")
     folder, out = Path(run_dir) / source, Path(out)
     check_complete(folder, Path(run_dir))
+    feature = is_feature_draft(folder)
+    if fmt in (STANDALONE_FORMATS if feature else FEATURE_FORMATS):
+        kind, allowed = ("a feature", FEATURE_FORMATS) if feature else ("a standalone", STANDALONE_FORMATS)
+        raise UserError(f"{folder} holds {kind} draft, which exports as {', '.join(allowed)}, not {fmt!r}")
     if out.resolve() == folder.resolve():
         raise UserError(f"--out is the source folder {folder}; export to another folder")
     record = {"format": fmt, "source": str(folder.resolve()), "draft": model_hash(str(folder))}
@@ -97,6 +125,7 @@ def export_run(run_dir: str | Path, out: str | Path, fmt: str = "hf", source: st
     draft = load_draft(folder, target)
     tmp = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)  # writers create only their own folder
     with reporting_full_disk(out):
         FORMATS[fmt](draft, tmp, options or ExportOptions())
         (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
@@ -111,6 +140,10 @@ def check_complete(folder: Path, run_dir: Path) -> None:
         unfinished = folder.with_name(f".tmp-{folder.name}").exists()
         why = "its export did not finish" if unfinished else f"is {run_dir} a finished `make distill` run?"
         raise IncompleteDraftError(f"{folder} does not exist; {why}")
+    if is_feature_draft(folder):
+        if problem := feature_draft_problem(folder):
+            raise IncompleteDraftError(problem)
+        return
     missing = [name for name in ("config.json",) if not (folder / name).is_file()]
     index = folder / "model.safetensors.index.json"
     if index.is_file():
@@ -154,10 +187,17 @@ def load_draft(folder: Path, target: str | None) -> Draft:
 
     run_files = {name: (folder / name).read_text() for name in RUN_FILES if (folder / name).is_file()}
     target_ref = target or _run_target(run_files.get("config.yaml"), folder)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    has_tokenizer = any((folder / name).is_file() for name in TOKENIZER_FILES)
+    tokenizer = AutoTokenizer.from_pretrained(folder) if has_tokenizer else None
     target_tokenizer = load_tokenizer(target_ref)
-    check_tokenizers(target_tokenizer, tokenizer)
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    if tokenizer is not None:
+        check_tokenizers(target_tokenizer, tokenizer)
+    if is_feature_draft(folder):
+        model = FeatureDraft.load(folder)
+        target = target_config(target_ref)
+        check_target(model.config, target, target.vocab_size)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder).eval()
     return Draft(folder, model, tokenizer, target_tokenizer, target_ref, run_files)
 
 

@@ -1,13 +1,15 @@
 """The generation engine seam: plan rows in, completions (+ the teacher's top-k) out.
 
-generate-data asks an engine for whole shards of rows and never sees tokens, caches or batches, so
-another engine (vLLM, a server) can stand behind it without reproducing the token-level interface.
-The one implementation today is `runner_engine.RunnerEngine`: the project's batched runner and
-token loop.
+generate-data hands an engine every row it has to do, in shard order, and writes each shard as its
+rows come back; it never sees tokens, caches or batches, so another engine (vLLM, a server) can
+stand behind it without reproducing the token-level interface.
+Two implementations: `runner_engine.RunnerEngine` (the project's batched runner and token loop) and
+`vllm_engine.VllmEngine` (vLLM in its own environment, behind a worker process).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -43,3 +45,17 @@ class Engine(Protocol):
 
     def score(self, rows: list[Row], teacher_topk: int) -> Iterator[Completion]:
         """Per row, the target teacher-forced over the row's completion_ids: their top-k, in row order."""
+
+
+def row_seed(seed: int, prompt_id: str, sample_index: int) -> int:
+    """The 63-bit seed of one (prompt, sample)'s random stream: every engine draws a row's tokens
+    from its own stream, so a completion depends on neither its batch nor its neighbours."""
+    digest = hashlib.sha256(f"{seed}:{prompt_id}:{sample_index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def eos_ids(tokenizer, generation) -> list[int]:
+    """Every id that ends a completion: the tokenizer's EOS and the target's generation config ones."""
+    configured = generation.eos_token_id
+    configured = [] if configured is None else [configured] if isinstance(configured, int) else list(configured)
+    return sorted(({tokenizer.eos_token_id} | set(configured)) - {None})

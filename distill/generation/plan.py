@@ -78,14 +78,16 @@ def plan_hash(shards: list[list[Row]]) -> str:
     return digest.hexdigest()
 
 
-def fingerprint(config: Config, tokenizer, shards: list[list[Row]], sampler: str) -> dict:
-    """Everything that changes what a row contains. Batch size and world size do not.
-    `sampler`: the engine's name for what fixes the token each row's stream draws."""
+def fingerprint(config: Config, tokenizer, shards: list[list[Row]], engine: str, sampler: str) -> dict:
+    """Everything that changes what a row contains. Batch size, world size and vLLM's parallel
+    sizes do not. `engine`: 'project' or 'vllm'; `sampler`: the engine's name for what fixes the
+    token each row's stream draws."""
     g = config.generate
     return {
         "target": config.target, "target_hash": model_hash(config.target),
         "tokenizer_hash": tokenizer_hash(tokenizer), "chat_template_hash": chat_template_hash(tokenizer),
-        "mode": g.mode, "seed": config.seed, "sampler": sampler,
+        "mode": g.mode, "seed": config.seed, "engine": engine, "sampler": sampler,
+        "vllm_llm_args": (g.vllm.llm_args or None) if engine == "vllm" else None,
         "temperature": g.temperature, "top_p": g.top_p, "top_k": g.top_k,
         "max_new_tokens": g.max_new_tokens, "samples_per_prompt": g.samples_per_prompt,
         "teacher_topk": g.teacher_topk, "dtype": g.dtype, "system_prompt": g.system_prompt,
@@ -93,6 +95,17 @@ def fingerprint(config: Config, tokenizer, shards: list[list[Row]], sampler: str
         "max_prompt_tokens": g.max_prompt_tokens, "eval_fraction": g.eval_fraction, "shard_size": g.shard_size,
         "num_shards": len(shards), "plan_hash": plan_hash(shards),
     }
+
+
+def recorded_engine(out_dir: Path) -> str | None:
+    """The engine that started out_dir (None for a new folder)."""
+    path = out_dir / PLAN_FILE
+    return _with_engine(json.loads(path.read_text()))["engine"] if path.is_file() else None
+
+
+def _with_engine(recorded: dict) -> dict:
+    """Plans written before generate.engine existed were all made by the project engine."""
+    return {"engine": "project", **recorded}
 
 
 class ResumeMismatch(UserError):
@@ -108,11 +121,13 @@ def check_or_write_plan(out_dir: Path, fingerprint: dict, write: bool) -> None:
             tmp.write_text(json.dumps(fingerprint, indent=1, sort_keys=True))
             tmp.replace(path)
         return
-    recorded = json.loads(path.read_text())
+    recorded = _with_engine(json.loads(path.read_text()))
     differs = [f"{key}: {recorded.get(key)!r} -> {fingerprint.get(key)!r}"
                for key in sorted(set(recorded) | set(fingerprint)) if recorded.get(key) != fingerprint.get(key)]
     if differs:
         raise ResumeMismatch(
             f"refusing to resume in {out_dir}: it was started with different settings:\n  "
             + "\n  ".join(differs)
+            + ("\ngenerate.engine=auto resumes with the engine that started it."
+               if recorded["engine"] != fingerprint.get("engine") else "")
             + "\nUse another generate.out_dir, or delete the folder to start over.")

@@ -7,7 +7,6 @@ therefore depends on neither its batch, its neighbours nor its rank.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 
 import numpy as np
@@ -16,7 +15,7 @@ import torch
 from decode.runners.protocol import BatchedRunner
 from decode.sampling import SamplingParams
 from distill.generation.batched_loop import generate_batch, score_batch
-from distill.generation.engine import Completion
+from distill.generation.engine import Completion, row_seed
 from distill.generation.plan import Row
 
 # The row streams (row_uniforms) and decode.sampling's inverse CDF: u ~ U[0, 1), the first token
@@ -28,8 +27,7 @@ SAMPLER = "runner-inverse-cdf-v2"
 
 def row_uniforms(seed: int, prompt_id: str, sample_index: int, n: int) -> torch.Tensor:
     """n uniforms in [0, 1) owned by one (prompt, sample): fp64 [n]."""
-    digest = hashlib.sha256(f"{seed}:{prompt_id}:{sample_index}".encode()).digest()
-    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    generator = torch.Generator().manual_seed(row_seed(seed, prompt_id, sample_index))
     return torch.rand(n, generator=generator, dtype=torch.float64)
 
 

@@ -6,4 +6,13 @@
   evaluate.py     held-out KL, α and top-1 agreement
   run_log.py      metrics.jsonl, W&B and the progress bar (main process only)
   resume.py       which settings a resumed run may change
+
+A feature draft (distill.draft_kind=feature, decode/feature_draft.py) overrides the recipe's draft,
+teacher, loss, evaluation and export:
+
+  feature.py         FeatureRecipe: the DistillRecipe with those parts swapped
+  feature_target.py  the target it is tied to (layers it has, identity checked on resume)
+  feature_teacher.py the online target: hidden states, next-token embeddings, subset log-probs
+  feature_loss.py    the unrolled steps' loss (target renormalised over the subset, weighted by its mass)
+  feature_eval.py    held-out α per unrolled step and the τ they imply
 """

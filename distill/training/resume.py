@@ -19,8 +19,8 @@ from decode.config import ConfigError, config_to_dict
 # distill.lr_schedule_steps is 0, so raising it to continue a finished run changes the learning rate
 # of the steps after the resume (allowed: that is what continuing means); lr_schedule_steps itself
 # sets the schedule of every step and may not change. The other stages' sections (generate, eval,
-# draft) are not read here.
-MAY_CHANGE = ("name", "draft", "generate.", "eval.", "wandb.", "distill.out_dir", "distill.resume",
+# engines, draft) are not read here.
+MAY_CHANGE = ("name", "draft", "generate.", "eval.", "engines.", "wandb.", "distill.out_dir", "distill.resume",
               "distill.max_steps", "distill.max_minutes", "distill.stop_after", "distill.eval_every",
               "distill.save_every", "distill.keep_checkpoints", "distill.early_stop_patience",
               "distill.max_bad_steps", "distill.tau_k")

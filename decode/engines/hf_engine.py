@@ -1,0 +1,50 @@
+"""Hugging Face transformers `generate`: the target alone, with the exported full-vocabulary draft as
+`assistant_model` (a plain HF folder, no code of ours) and with HF's prompt lookup.
+
+HF does not report how many drafted tokens it accepted, so its rows have no α or τ.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+from decode.engines.exports import draft_hf
+from decode.engines.job import EngineJob
+from decode.engines.rows import EngineRun
+from decode.hf_baselines import hf_generate
+from decode.models import load_model, resolve_device, torch_dtype
+from decode.timing import timed
+
+
+def run_hf(job: EngineJob) -> list[EngineRun]:
+    cfg, ev = job.cfg, job.cfg.eval
+    torch.set_num_threads(job.threads)
+    device = resolve_device(cfg.device)
+    dtype = torch_dtype(ev.dtype, device)
+    target = load_model(cfg.target, device, dtype)
+    assistant = AutoModelForCausalLM.from_pretrained(draft_hf(cfg), dtype=dtype).to(device).eval()
+    eos = job.tokenizer.eos_token_id
+    note = f"transformers {transformers.__version__}, {str(dtype).removeprefix('torch.')}"
+
+    def generate(mode: str, k: int | None, ids: list[int], temperature: float, max_new_tokens: int):
+        return hf_generate(target, torch.tensor([ids], device=device), max_new_tokens, eos,
+                           assistant=assistant if mode == "draft" else None, k=k or 1,
+                           prompt_lookup=mode == "ngram", ngram=cfg.engines.ngram, sampling=ev.sampling(temperature))
+
+    runs = []
+    for mode, k in job.modes:
+        generate(mode, k, job.prompts[0][1], 0.0, 8)  # untimed warm-up: first calls allocate and pick kernels
+        for temperature in ev.temperatures:
+            per_set: dict[str, EngineRun] = {}
+            for index, (set_name, ids) in enumerate(job.prompts):
+                run = per_set.setdefault(set_name, EngineRun("hf", set_name, mode, k, temperature, [], [], [],
+                                                             notes=[note]))
+                torch.manual_seed(job.seed(index))
+                with timed(device, run.seconds):
+                    new = generate(mode, k, ids, temperature, ev.max_new_tokens)
+                run.new_tokens.append(len(new))
+                run.outputs.append(new.tolist())
+            runs += per_set.values()
+    return runs

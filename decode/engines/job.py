@@ -1,0 +1,43 @@
+"""What every engine is given (EngineJob: the config, the prompts as token ids, which are the
+chat-templated ids our own decoder uses so every engine sees identical input, the modes to run, and
+a folder for its logs) and how it says it failed (EngineFailed)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from decode.config import Config
+from decode.errors import UserError
+
+
+class EngineFailed(UserError):
+    """An engine's process failed or timed out; the message names its log."""
+
+
+@dataclass
+class EngineJob:
+    cfg: Config
+    prompt_sets: dict[str, list[list[int]]]
+    """Prompt set name -> each prompt's token ids."""
+    tokenizer: object
+    log_dir: Path
+
+    @property
+    def threads(self) -> int:
+        return self.cfg.engines.threads or os.cpu_count() or 1
+
+    @property
+    def modes(self) -> list[tuple[str, int | None]]:
+        """(mode, k): plain decoding, then our draft and the engine's n-gram mode at every k."""
+        return [("plain", None)] + [(mode, k) for k in self.cfg.engines.ks for mode in ("draft", "ngram")]
+
+    @property
+    def prompts(self) -> list[tuple[str, list[int]]]:
+        """(prompt set, token ids) of every prompt, in a fixed order."""
+        return [(name, ids) for name, prompts in self.prompt_sets.items() for ids in prompts]
+
+    def seed(self, index: int) -> int:
+        """The sampling seed of the index-th prompt (the same in every mode, so runs differ only by the engine)."""
+        return self.cfg.seed + index

@@ -1,0 +1,124 @@
+"""`make distill` with distill.draft_kind=feature: DistillRecipe's loop (accelerate, optimizer, checkpoints,
+resume, evaluation cadence, run log, early stop, SIGTERM) with a feature draft (decode/feature_draft.py)
+in place of the standalone one.
+
+Per micro-batch the frozen target runs online (feature_teacher.py) and gives the hidden states of the
+layers the draft reads, the embedding of each next token and its own distribution one position on;
+the draft is unrolled distill.ttt_steps times on its own outputs (EAGLE-3's training-time test) and
+each step's loss (feature_loss.py) is weighted ttt_decay**j. best/ and final/ hold FeatureDraft.save
+plus the target's tokenizer files and the run's config.yaml and metrics.json.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from decode.feature_draft import FeatureDraft
+from decode.models import load_tokenizer, param_count
+from distill.checkpoint import latest_checkpoint
+from distill.export.hf import export_hf
+from distill.feature_shape import build_feature_draft, choose_feature_shape, feature_layers
+from distill.train import DistillRecipe
+from distill.training.feature_eval import evaluate_feature
+from distill.training.feature_loss import unrolled_loss
+from distill.training.feature_target import TargetIdentity, target_config
+from distill.training.feature_teacher import FeatureTeacher, step_masks
+
+
+class UnrolledFeatureDraft(nn.Module):
+    """A FeatureDraft's training forward as a module's forward, so DDP, FSDP and DeepSpeed can wrap it."""
+
+    def __init__(self, draft: FeatureDraft):
+        super().__init__()
+        self.draft = draft
+
+    def forward(self, target_hidden: torch.Tensor, embeds: torch.Tensor, masks: list[torch.Tensor]):
+        """Logits [n_j, N] of each unrolled step j (len(masks) of them) at the positions masks[j] [B, T] holds."""
+        outs = self.draft.unrolled(target_hidden, embeds, len(masks))
+        return [self.draft.logits(out[mask]) for out, mask in zip(outs, masks)]
+
+
+class SavedAsFeatureDraft:
+    """What export_hf writes a model with (save_pretrained), for a feature draft: FeatureDraft.save, so
+    best/ and final/ get export_hf's temp-name-then-rename, tokenizer files and run files."""
+
+    def __init__(self, draft: FeatureDraft):
+        self.draft = draft
+
+    def save_pretrained(self, folder, state_dict: dict | None = None) -> None:
+        draft = self.draft
+        if state_dict is not None:  # gathered weights (the live module may hold a shard under ZeRO-3/FSDP)
+            weights = {name.removeprefix("draft."): t for name, t in state_dict.items()}
+            draft = FeatureDraft(draft.config, weights["draft_ids"].cpu())
+            draft.load_state_dict(weights)
+        draft.save(Path(folder))
+
+
+class FeatureRecipe(DistillRecipe):
+    def setup(self, resume: bool = True) -> bool:
+        """Refuse layers the target lacks, or a resume against another target, before any model loads."""
+        config = target_config(self.config.target)
+        self.layers = feature_layers(self.dc.feature_layers, config.num_hidden_layers, self.config.target)
+        identity = TargetIdentity.of(config, load_tokenizer(self.config.target))
+        if resume and self.dc.resume and latest_checkpoint(self.out_dir) is not None:
+            identity.check_resumes(self.out_dir, self.config.target)
+        ready = super().setup(resume)
+        if ready and self.is_main:
+            identity.write(self.out_dir)
+        return ready
+
+    def setup_draft(self, target) -> None:
+        dc = self.dc
+        draft_config, shape = choose_feature_shape(target.config, param_count(target), dc.param_ratio, self.layers,
+                                                   dc.vocab_subset, dc.feature_intermediate_size)
+        self.subset = self.choose_subset(target, shape.head_rows)
+        draft = build_feature_draft(target, draft_config, self.subset.ids, dc.embed_init, self.config.seed)
+        self.draft = UnrolledFeatureDraft(draft)
+        self.say(shape.describe(param_count(target), target.config.hidden_size, target.config.num_hidden_layers))
+
+    def setup_teacher(self, target) -> None:
+        dtype = torch.bfloat16 if self.accelerator.mixed_precision == "bf16" else torch.float32
+        self.teacher = FeatureTeacher(target.to(self.device, dtype), self.layers, self.subset.ids.to(self.device),
+                                      dtype=torch.float32)
+
+    # ------------------------------------------------------------------ one micro-batch
+    def unrolled(self, batch: dict, steps: int):
+        """(the teacher's FeatureBatch, each step's [B, T] mask, each step's logits at its mask)."""
+        features = self.teacher(batch)
+        masks = step_masks(features.positions, steps)
+        return features, masks, self.model(features.hidden, features.embeds, masks)
+
+    def loss_tokens(self, batch: dict) -> int:
+        return int(batch["loss_mask"][:, 1:].sum())  # draft positions: feature_teacher.py
+
+    def micro_batch_loss(self, batch: dict):
+        """(Σ loss over the unrolled steps, step 0's draft log-probs and renormalised target, finite)."""
+        features, masks, step_logits = self.unrolled(batch, self.dc.ttt_steps)
+        rows = [mask[features.positions] for mask in masks]  # [n] per step: its rows of the teacher's n
+        loss_sum, draft_logp, target_logp = unrolled_loss(self.dc, step_logits, features.target_logp, rows)
+        return loss_sum, draft_logp, target_logp, features.finite and bool(torch.isfinite(loss_sum))
+
+    def skip_micro_batch(self) -> None:
+        """DeepSpeed must see every micro-batch: a zero gradient through every weight."""
+        if self.use_deepspeed:
+            _, _, step_logits = self.unrolled(self.batch_on_device([], self.train_set), self.dc.ttt_steps)
+            self.accelerator.backward(0.0 * sum(logits.sum() for logits in step_logits))
+
+    # ------------------------------------------------------------------ evaluate, export
+    def held_out_metrics(self) -> dict:
+        """α per unrolled step, for as many steps as τ at distill.tau_k needs (at least the trained ones)."""
+        steps = max(self.dc.ttt_steps, self.dc.tau_k)
+        return evaluate_feature(self.model, self.teacher, self.eval_batches(), self.accelerator, steps,
+                                self.dc.tau_k)
+
+    def export(self, path: Path, metrics: dict) -> None:
+        state_dict = self.accelerator.get_state_dict(self.model)
+        if self.is_main:
+            draft = SavedAsFeatureDraft(self.accelerator.unwrap_model(self.model).draft)
+            export_hf(draft, self.tokenizer, path,
+                      {"config.yaml": self.config_yaml(), "metrics.json": json.dumps(metrics, indent=1)}, state_dict)
+        self.accelerator.wait_for_everyone()

@@ -1,0 +1,66 @@
+"""The frozen target run online for a feature draft: what the draft reads and what it is trained towards.
+
+Alignment (distill/data.py: position t of the input predicts token t + 1): the draft at position i
+reads the target's hidden states at i and the target's embedding of token i + 1 (= labels[i]), and
+predicts token i + 2, whose teacher is the target's distribution at position i + 1. So draft position
+i is trained where the target's position i + 1 predicts a completion token (loss_mask[i + 1]); a
+completion token predicted at position 0 (a one-token prompt) has no draft position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from distill.training.teacher import keep_positions
+
+
+@dataclass
+class FeatureBatch:
+    hidden: torch.Tensor
+    """[B, T, len(layers), H] the target's hidden states of the layers the draft reads."""
+    embeds: torch.Tensor
+    """[B, T, H] the target's embedding of token i + 1 at position i."""
+    positions: torch.Tensor
+    """[B, T] bool: draft positions with a teacher (n of them)."""
+    target_logp: torch.Tensor
+    """[n, N] the target's log-probs (softmax over its FULL vocabulary, T = 1) of the draft's N subset
+    tokens at those positions, row-major: each row sums to the target's mass inside the subset."""
+    target_top1: torch.Tensor
+    """[n] the target's most likely full-vocabulary id."""
+    finite: bool
+    """False when the target's logits hold NaN or inf (the step is then skipped)."""
+
+
+class FeatureTeacher:
+    def __init__(self, target, layers: list[int], subset_ids: torch.Tensor, dtype: torch.dtype):
+        self.target = target.eval().requires_grad_(False)
+        self.layers = list(layers)
+        self.subset_ids = subset_ids  # [N] on the target's device
+        self.dtype = dtype  # the draft's: the target may run in bf16
+
+    @torch.no_grad()
+    def __call__(self, batch: dict) -> FeatureBatch:
+        loss_mask = batch["loss_mask"]
+        positions = F.pad(loss_mask[:, 1:], (0, 1))  # [B, T]: draft position i <- target position i + 1
+        teacher_at = F.pad(loss_mask[:, 1:], (1, 0))  # [B, T]: those target positions i + 1
+        keep = keep_positions(batch)  # logits only from the first completion position on
+        out = self.target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                          output_hidden_states=True, logits_to_keep=keep)
+        # hidden_states[0] is the embedding output, [i + 1] layer i's (the last layer's after the final
+        # norm, as decode/runners report them at decode time).
+        hidden = torch.stack([out.hidden_states[i + 1] for i in self.layers], dim=2).to(self.dtype)
+        embeds = self.target.get_input_embeddings()(batch["labels"]).to(self.dtype)
+        logits = out.logits[teacher_at[:, keep]].float()  # [n, V]
+        target_logp = torch.log_softmax(logits, -1)[:, self.subset_ids]  # [n, N]
+        return FeatureBatch(hidden, embeds, positions, target_logp, logits.argmax(-1),
+                            bool(torch.isfinite(logits).all()))
+
+
+def step_masks(positions: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """[B, T] bool per unrolled step j: the positions with a teacher where step j has context. Step j
+    at i has read the target's features only up to i - j, so positions i < j have none: left out."""
+    i = torch.arange(positions.shape[1], device=positions.device)
+    return [positions & (i >= j) for j in range(steps)]

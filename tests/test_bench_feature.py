@@ -1,0 +1,111 @@
+"""eval-speedup with a feature draft (decode/bench.py): its rows next to the standalone draft's on the same
+prompts, alone, and the bad inputs refused before any model loads or any timing starts."""
+
+import json
+
+import pytest
+import torch
+
+from decode.bench import main
+from decode.config import ConfigError
+from decode.feature_draft import FeatureDraftMismatch
+from decode.models import TokenizerMismatch, load_model, load_tokenizer
+from decode.runners import make_runner
+from decode.runners.lean import LeanRunner
+from tests.conftest import random_feature_draft
+
+TINY = "configs/tiny.yaml"
+# Every 96th id of the embedded tokenizer's 49,152 (the tiny target's vocabulary): a 512-row head.
+HEAD_IDS = list(range(0, 49152, 96))
+
+
+@pytest.fixture(scope="module")
+def feature_folder(tmp_path_factory):
+    """A random feature draft for tiny:target (2 layers, width 64), saved as FeatureDraft.save leaves it."""
+    folder = tmp_path_factory.mktemp("feature") / "final"
+    random_feature_draft(load_model("tiny:target"), HEAD_IDS, init_std=0.05).save(folder)
+    return folder
+
+
+def eval_speedup(out_dir, *overrides) -> dict:
+    main(["--config", TINY, "eval.prompts=[gsm8k]", "eval.ks=[2]", "eval.hf_baselines=false", "eval.warmup=0",
+          "eval.r_max_k=2", "eval.max_new_tokens=8", f"eval.out_dir={out_dir}", "wandb.mode=disabled", *overrides])
+    return json.loads((out_dir / "report.json").read_text())
+
+
+def test_both_draft_kinds_side_by_side(tmp_path, feature_folder, one_thread):
+    report = eval_speedup(tmp_path, "draft=tiny:draft", f"eval.feature_draft={feature_folder}", "eval.lookup_ngram=3")
+    rows = {(r["proposer"], r["temperature"]): r for r in report["results"]}
+    assert set(rows) == {(p, t) for p in ("draft", "draft+lookup", "feature", "feature+lookup") for t in (0.0, 0.7)}
+    assert all(r["greedy_identical"] for r in report["results"] if r["temperature"] == 0)
+    for proposer in ("feature", "feature+lookup"):
+        row = rows[(proposer, 0.0)]
+        assert row["predicted_speedup"] > 0 and row["draft_steps_per_forward"] <= 2
+    assert report["feature_draft"]["params"] == sum(p.numel() for p in random_feature_draft(
+        load_model("tiny:target"), HEAD_IDS).parameters())
+    assert report["feature_draft"]["vocab_subset"] == 512 and report["feature_draft"]["target_layers"] == [0, 1]
+    feature_cost = report["feature_cost_model"]
+    assert feature_cost["start"]["c"] > 0 and set(map(int, feature_cost["start"]["r"])) == {1, 2}
+    assert report["cost_model"] != feature_cost["start"]  # the standalone draft's, on the plain runner
+    markdown = (tmp_path / "report.md").read_text()
+    assert f"feature draft `{feature_folder}`" in markdown and "reads layers [0, 1]" in markdown
+    assert "Feature draft (`feature` rows)" in markdown
+    samples = {json.loads(line)["method"] for line in (tmp_path / "samples.jsonl").read_text().splitlines()}
+    assert {"speculative k=2 feature", "speculative k=2 feature + lookup", "speculative k=2 + lookup"} <= samples
+
+
+def test_a_feature_draft_alone(tmp_path, feature_folder, one_thread):
+    report = eval_speedup(tmp_path, f"draft={feature_folder}", "eval.temperatures=[0.0]")
+    assert {r["proposer"] for r in report["results"]} == {"feature"}
+    assert report["draft"] is None and report["feature_draft"]["ref"] == str(feature_folder)
+    assert report["cost_model"] == report["feature_cost_model"]["start"]
+    assert all(r["greedy_identical"] for r in report["results"])
+
+
+def no_model_loads(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the input was checked")
+
+    monkeypatch.setattr("decode.bench.load_model", refuse)
+
+
+def test_missing_or_doubled_feature_drafts_are_refused_before_any_model_loads(tmp_path, feature_folder, monkeypatch):
+    no_model_loads(monkeypatch)
+    with pytest.raises(ConfigError, match=r"eval.feature_draft: feature draft folder .*nowhere.* does not exist"):
+        eval_speedup(tmp_path, "draft=tiny:draft", f"eval.feature_draft={tmp_path / 'nowhere'}")
+    with pytest.raises(ConfigError, match="is a feature draft already"):
+        eval_speedup(tmp_path, f"draft={feature_folder}", f"eval.feature_draft={feature_folder}")
+
+
+def test_a_feature_draft_for_another_target_is_refused_before_timing(tmp_path, monkeypatch):
+    """tiny:draft is 32 wide and 1 layer deep; the check runs before any runner is built."""
+    folder = tmp_path / "other"
+    random_feature_draft(load_model("tiny:draft"), HEAD_IDS, target_layers=(0,)).save(folder)
+    monkeypatch.setattr("decode.bench.make_runner", lambda *a, **k: pytest.fail("a runner was built"))
+    with pytest.raises(FeatureDraftMismatch, match="hidden size 32 vs the target's 64; trained on a 1-layer target"):
+        eval_speedup(tmp_path, f"draft={folder}")
+
+
+def test_a_feature_draft_saved_with_another_tokenizer_is_refused(tmp_path, monkeypatch):
+    """Training saves the target's tokenizer next to the draft; a different one is refused before timing."""
+    folder = tmp_path / "draft"
+    random_feature_draft(load_model("tiny:target"), HEAD_IDS).save(folder)
+    tokenizer = load_tokenizer("tiny:target")
+    tokenizer.add_tokens(["<not-in-the-target>"])
+    tokenizer.save_pretrained(folder)
+    monkeypatch.setattr("decode.bench.make_runner", lambda *a, **k: pytest.fail("a runner was built"))
+    with pytest.raises(TokenizerMismatch, match="tokenizers differ"):
+        eval_speedup(tmp_path, "draft=tiny:draft", f"eval.feature_draft={folder}")
+
+
+def test_the_feature_runner_keeps_the_layers_the_draft_reads(feature_folder):
+    """What bench verifies with: the lean runner, keeping the draft's layers (the plain runner keeps none)."""
+    from decode.api import build_feature_runner
+    from decode.feature_draft import FeatureDraft
+
+    target = load_model("tiny:target")
+    runner = build_feature_runner(target, FeatureDraft.load(feature_folder))
+    assert isinstance(runner, LeanRunner) and runner.hidden_layers == (0, 1)
+    runner.forward(torch.tensor([1, 2, 3]), 1)
+    assert runner.hidden_states.shape == (3, 2, 64)
+    assert make_runner(target, 49152).hidden_layers == ()

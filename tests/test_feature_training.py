@@ -1,0 +1,220 @@
+"""Training a feature draft (distill.draft_kind=feature): it learns, unrolled steps are masked where they
+have no context, the head starts from the target's rows, final/ round-trips, bad input fails early,
+resume matches a straight run. A tiny random target (peaked distributions), CPU, seconds."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from decode.config import ConfigError, load_config
+from decode.feature_draft import FeatureDraft, is_feature_draft
+from decode.models import load_model, load_tokenizer
+from distill.checkpoint import latest_checkpoint
+from distill.feature_shape import build_feature_draft, choose_feature_shape
+from distill.train import train
+from distill.training.feature import FeatureRecipe
+from distill.training.feature_eval import tau_from_step_alphas
+from distill.training.feature_teacher import step_masks
+from tests.conftest import small_llama
+from tests.synthetic_shards import write_scored_shards
+
+ROOT = Path(__file__).resolve().parents[1]
+# Explicit sizes: the tiny target is too small for a feature draft within 3% (its width alone fixes more).
+FEATURE = ["distill.draft_kind=feature", "distill.teacher=online", "distill.feature_layers=[0,2]",
+           "distill.vocab_subset=192", "distill.feature_intermediate_size=64", "distill.ttt_steps=3",
+           "distill.eval_samples=8"]
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.filterwarnings("ignore:the feature draft has .* of the target's parameters")]
+
+
+def save_target(path: Path, **shape) -> Path:
+    """A tiny random Llama (1,024-token vocabulary, peaked distributions) with the embedded tokenizer."""
+    small_llama(**{"vocab_size": 1024, "hidden": 64, "layers": 3, "init_std": 0.3, **shape}).save_pretrained(path)
+    load_tokenizer("tiny:target").save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def target_dir(tmp_path_factory):
+    return save_target(tmp_path_factory.mktemp("target"))
+
+
+@pytest.fixture(scope="session")
+def data(target_dir, tmp_path_factory):
+    """24 train + 8 eval rows of random tokens from a 401-token pool (233 distinct ones in the train rows)."""
+    return write_scored_shards(tmp_path_factory.mktemp("data"), load_model(str(target_dir)))
+
+
+def feature_config(target_dir, data, out, *overrides):
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)  # each run builds its own Accelerator
+    return load_config(ROOT / "configs/tiny.yaml", [f"target={target_dir}", f"distill.data_dirs=[{data}]",
+                                                    f"distill.out_dir={out}", "wandb.mode=disabled", *FEATURE,
+                                                    *overrides])
+
+
+def run(target_dir, data, out, *overrides):
+    return train(feature_config(target_dir, data, out, *overrides))
+
+
+def rows(out):
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_draft_learns_on_a_tiny_target(target_dir, data, tmp_path):
+    summary = run(target_dir, data, tmp_path, "distill.max_steps=24", "distill.eval_every=6", "distill.lr=0.01",
+                  "distill.warmup_steps=2", "distill.early_stop_patience=0")
+    evals = [r for r in rows(tmp_path) if "eval/alpha" in r]
+    losses = [r["train/loss"] for r in rows(tmp_path) if "train/loss" in r]
+    assert sum(losses[-4:]) < 0.7 * sum(losses[:4]), losses
+    # Random token sequences: held-out gains are small, but the KL must fall and α rise.
+    assert evals[-1]["eval/kl"] < 0.85 * evals[0]["eval/kl"] and evals[-1]["eval/alpha"] > evals[0]["eval/alpha"], evals
+    for j in range(4):  # every step up to τ's k = 4 is measured, exact (online teacher) and a probability
+        assert 0 < evals[-1][f"eval/alpha_step{j}"] < 1
+    alphas = [evals[-1][f"eval/alpha_step{j}"] for j in range(4)]
+    assert summary["final/tau_k4"] == pytest.approx(tau_from_step_alphas(alphas, 4))
+    assert summary["final/alpha"] == max(r["eval/alpha"] for r in evals)  # final/ is the best evaluation
+
+
+def test_step_masks_leave_out_positions_without_context():
+    positions = torch.tensor([[True, True, True, False], [False, True, True, True]])
+    masks = step_masks(positions, 3)
+    assert masks[0].tolist() == positions.tolist()
+    assert masks[1].tolist() == [[False, True, True, False], [False, True, True, True]]
+    assert masks[2].tolist() == [[False, False, True, False], [False, False, True, True]]
+
+
+def test_unrolled_loss_counts_step_j_only_from_position_j(target_dir, data, tmp_path):
+    """A one-token prompt puts draft positions at i = 0, 1, 2: step 1 may use i >= 1 and step 2 only i = 2.
+    The recipe's loss must equal Σ_j 0.8^j Σ_{i >= j} m_i KL(p̂_i ‖ draft_ij), computed here from scratch."""
+    recipe = FeatureRecipe(feature_config(target_dir, data, tmp_path))
+    assert recipe.setup()
+    ids = torch.tensor([[400, 401, 402, 403, 404]])  # prompt [400], completion [401..404]
+    batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:], "attention_mask": torch.ones(1, 4, dtype=torch.long),
+             "loss_mask": torch.ones(1, 4, dtype=torch.bool)}
+    loss, _, _, finite = recipe.micro_batch_loss(batch)
+    assert finite and recipe.loss_tokens(batch) == 3
+
+    target, draft = recipe.teacher.target, recipe.model.draft
+    with torch.no_grad():
+        out = target(input_ids=batch["input_ids"], output_hidden_states=True)
+        hidden = torch.stack([out.hidden_states[i + 1] for i in (0, 2)], dim=2)
+        target_probs = torch.softmax(out.logits[0], -1)[:, recipe.subset.ids]  # [4, N]
+        outs = draft.unrolled(hidden, target.get_input_embeddings()(batch["labels"]), 3)
+        expected = 0.0
+        for j, step_out in enumerate(outs):
+            draft_logp = torch.log_softmax(draft.logits(step_out[0]), -1)  # [4, N]
+            for i in range(j, 3):  # draft position i is taught by the target at i + 1
+                mass = target_probs[i + 1].sum()
+                p_hat = target_probs[i + 1] / mass
+                expected += 0.8 ** j * mass * (p_hat * (p_hat.log() - draft_logp[i])).sum()
+    assert float(loss.detach()) == pytest.approx(float(expected), rel=1e-4)
+
+
+def test_head_starts_from_the_target_rows_of_the_subset(target_dir):
+    target = load_model(str(target_dir))
+    config, shape = choose_feature_shape(target.config, 10**7, 0.03, [0, 2], head_rows=64, intermediate_size=32)
+    ids = torch.arange(300, 364)
+    from_target = build_feature_draft(target, config, ids, "target", seed=0)
+    assert torch.equal(from_target.lm_head.weight, target.lm_head.weight[ids])
+    assert torch.equal(from_target.norm.weight, target.model.norm.weight)
+    random = build_feature_draft(target, config, ids, "random", seed=0)
+    assert not torch.equal(random.lm_head.weight, target.lm_head.weight[ids])
+    assert torch.equal(random.fc.weight, from_target.fc.weight)  # the rest is the same seeded init
+
+
+def test_shape_fits_the_parameter_ratio_and_says_when_it_cannot():
+    target_config = load_model("tiny:target").config  # width 64, 2 layers, 3.2M params
+    config, shape = choose_feature_shape(target_config, 3_200_000, 0.03, [0, 1])
+    assert shape.params <= 0.03 * 3_200_000 and shape.ratio > 0.028  # fills the budget from below
+    assert shape.head_rows % 64 == 0 and config.draft_vocab_size == shape.head_rows
+    with pytest.raises(ConfigError, match=r"param_ratio=0.005: .* fixed params"):
+        choose_feature_shape(target_config, 3_200_000, 0.005, [0, 1])
+
+
+def test_final_round_trips_the_trained_draft(target_dir, data, tmp_path):
+    # No evaluation before the end: the last step is the best one, so final/ holds the last weights.
+    run(target_dir, data, tmp_path, "distill.max_steps=3", "distill.eval_every=0", "distill.save_every=0")
+    final = tmp_path / "final"
+    assert is_feature_draft(final)
+    for name in ("config.yaml", "metrics.json", "tokenizer.json"):
+        assert (final / name).is_file()
+    loaded = FeatureDraft.load(final)
+    trained = load_file(latest_checkpoint(tmp_path) / "model.safetensors")
+    state = loaded.state_dict()
+    assert set(state) == {name.removeprefix("draft.") for name in trained}
+    for name, tensor in state.items():
+        assert torch.equal(tensor, trained[f"draft.{name}"]), name
+    eos = load_tokenizer(str(target_dir)).eos_token_id
+    assert eos in loaded.draft_ids.tolist() and loaded.config.target_layers == [0, 2]
+    assert loaded.num_params() == sum(t.numel() for n, t in trained.items() if n != "draft.draft_ids")
+
+
+def test_config_errors(target_dir, data, tmp_path):
+    with pytest.raises(ConfigError, match="set distill.teacher=online"):
+        load_config(None, ["distill.draft_kind=feature"])
+    with pytest.raises(ConfigError, match="did you mean 'feature'"):
+        load_config(None, ["distill.draft_kind=featur"])
+    with pytest.raises(ConfigError, match=r"'ce' needs a head row"):
+        load_config(None, ["distill.draft_kind=feature", "distill.teacher=online", "distill.loss={ce: 1.0}"])
+    with pytest.raises(ConfigError, match="distinct 0-based"):
+        load_config(None, ["distill.draft_kind=feature", "distill.teacher=online", "distill.feature_layers=[1,1]"])
+    # Layers the target lacks fail before the data is read (a missing data folder would fail otherwise).
+    with pytest.raises(ConfigError, match=r"feature_layers=\[0, 3\]: the target .* has 3 decoder layers \(0..2\)"):
+        run(target_dir, tmp_path / "no-data", tmp_path / "run", "distill.feature_layers=[0,3]")
+    with pytest.raises(ConfigError, match=r"default feature layers \[1, 0, -1\].*has 3 decoder layers"):
+        run(target_dir, tmp_path / "no-data", tmp_path / "run", "distill.feature_layers=[]")
+
+
+def test_two_ranks_equal_one_process(target_dir, data, tmp_path):
+    """DDP over the unrolled draft (its forward is the module's): 2 ranks x 2 micro-batches of 2 = 1 x 8."""
+    steps = ["distill.max_steps=3", "distill.eval_every=0", "distill.save_every=0"]
+    run(target_dir, data, tmp_path / "one", "distill.micro_batch_size=8", *steps)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
+    overrides = [f"target={target_dir}", f"distill.data_dirs=[{data}]", f"distill.out_dir={tmp_path / 'two'}",
+                 "wandb.mode=disabled", *FEATURE, "distill.micro_batch_size=2", "distill.grad_accum=2", *steps]
+    result = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", "2",
+                             "-m", "distill.train", "--config", "configs/tiny.yaml", *overrides],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    one, two = (load_file(tmp_path / name / "final/model.safetensors") for name in ("one", "two"))
+    # Splitting a step changes only the summation order (tests/test_train.py: SPLIT_ATOL).
+    assert all(torch.allclose(one[name], two[name], atol=2e-4) for name in one)
+    losses = [[r["train/loss"] for r in rows(tmp_path / name) if "train/loss" in r] for name in ("one", "two")]
+    assert losses[0] == pytest.approx(losses[1], abs=1e-5)
+
+
+def test_resume_matches_a_straight_run(target_dir, data, tmp_path):
+    common = ["distill.max_steps=6", "distill.eval_every=3", "distill.save_every=0"]
+    run(target_dir, data, tmp_path / "straight", *common)
+    assert run(target_dir, data, tmp_path / "resumed", *common, "distill.stop_after=2")["stopped"] == "interrupted"
+    run(target_dir, data, tmp_path / "resumed", *common)
+    runs = [tmp_path / "straight", tmp_path / "resumed"]
+    a, b = (load_file(run_dir / "checkpoints/step-6/model.safetensors") for run_dir in runs)
+    assert all(torch.equal(a[name], b[name]) for name in a)
+    losses = [[r["train/loss"] for r in rows(run_dir) if "train/loss" in r] for run_dir in runs]
+    assert losses[0] == losses[1]  # the same data order, bit for bit
+
+
+@pytest.mark.parametrize("change", ["hidden", "layers", "tokenizer"])
+def test_resume_against_a_different_target_is_refused(data, tmp_path, change):
+    target_dir = save_target(tmp_path / "target")
+    run(target_dir, data, tmp_path / "run", "distill.max_steps=4", "distill.stop_after=1", "distill.eval_every=0")
+    if change == "tokenizer":  # same model, a tokenizer with one more token: ids may mean other things
+        tokenizer = load_tokenizer(str(target_dir))
+        tokenizer.add_tokens(["<an-extra-token>"])
+        tokenizer.save_pretrained(target_dir)
+        expected = "tokenizer_sha256"
+    else:
+        save_target(target_dir, **({"hidden": 32} if change == "hidden" else {"layers": 4}))
+        expected = "hidden_size 64 -> 32" if change == "hidden" else "num_hidden_layers 3 -> 4"
+    with pytest.raises(ConfigError, match=f"trained against a different target.*{expected}"):
+        run(target_dir, data, tmp_path / "run", "distill.max_steps=4", "distill.eval_every=0")
