@@ -188,22 +188,23 @@ def test_worker_env_on_cpu(tmp_path, monkeypatch):
 
 def test_engine_choice(tmp_path, fake_vllm):
     missing = f"generate.vllm.python={tmp_path / 'none' / 'python'}"
+    auto = "generate.engine=auto"  # the demo config pins the project engine
     assert choose_engine(config_for(tmp_path, "generate.engine=project")).name == "project"
     with pytest.raises(VllmUnavailable, match="make setup-vllm"):
         choose_engine(config_for(tmp_path, "generate.engine=vllm", missing))
-    auto = choose_engine(config_for(tmp_path, missing))
-    assert auto.name == "project" and "make setup-vllm" in auto.reason
+    chosen = choose_engine(config_for(tmp_path, auto, missing))
+    assert chosen.name == "project" and "make setup-vllm" in chosen.reason
     here = f"generate.vllm.python={sys.executable}"  # with the fake on PYTHONPATH it "has" vLLM
     assert installed_version(sys.executable) == "0.0.0+fake"
-    assert choose_engine(config_for(tmp_path, here)).name == "vllm"
-    assert choose_engine(config_for(tmp_path, here, "target=tiny:target")).name == "project"
+    assert choose_engine(config_for(tmp_path, auto, here)).name == "vllm"
+    assert choose_engine(config_for(tmp_path, auto, here, "target=tiny:target")).name == "project"
     # auto keeps a folder with the engine that started it (plans older than engines: the project's).
     (tmp_path / PLAN_FILE).write_text(json.dumps({"seed": 0}))
-    assert choose_engine(config_for(tmp_path, here)).name == "project"
+    assert choose_engine(config_for(tmp_path, auto, here)).name == "project"
     (tmp_path / PLAN_FILE).write_text(json.dumps({"engine": "vllm"}))
-    assert choose_engine(config_for(tmp_path, here)).name == "vllm"
+    assert choose_engine(config_for(tmp_path, auto, here)).name == "vllm"
     with pytest.raises(VllmUnavailable, match="was started with vLLM"):
-        choose_engine(config_for(tmp_path, missing))
+        choose_engine(config_for(tmp_path, auto, missing))
 
 
 # ----------------------------------------------------------------------------- whole runs, fake vLLM
