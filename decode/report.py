@@ -36,7 +36,6 @@ def _draft_part(name: str, draft: dict | None) -> str:
 
 
 def write_markdown(report: dict, path: Path) -> None:
-    cm, cm_end = report["cost_model"], report["cost_model_end"]
     lines = [f"# Speculative decoding report: {report['config']['name']}", "",
              *reliability_lines(report["timing_reliability"]),
              f"- command: `{report['command']}`",
@@ -66,6 +65,31 @@ def write_markdown(report: dict, path: Path) -> None:
                      f"{_fmt(row['speculative_tok_s'], 1)} | **{_fmt(row['speedup'])}×** | "
                      f"{_fmt(per_prompt['median'])}× ({_fmt(per_prompt['min'])}–{_fmt(per_prompt['max'])}) | "
                      f"{_fmt(row['predicted_speedup'])}× | {_fmt(row['measured_over_predicted'])} | {same} |")
+    lines += cost_model_lines(report)
+    if report.get("hf"):
+        lines += ["", "## Hugging Face generate on the same prompts (greedy)", "",
+                  "| prompts | method | k | tok/s | vs our target-only | ours speculative ÷ this | same tokens as ours |",
+                  "|---|---|---|---|---|---|---|"]
+        for row in report["hf"]:
+            lines.append(f"| {row['prompt_set']} | {row['method']} | {row.get('k') or '–'} | "
+                         f"{_fmt(row['tok_s'], 1)} | {_fmt(row['vs_our_baseline'])}× | "
+                         f"{_fmt(row.get('ours_over_this'), unit='×')} | {row['identical_to_ours']} |")
+    if report.get("engines"):
+        lines += ["", *engine_lines(report["engines"], report["engines_setup"])]
+    lines += ["", "## Per prompt", "", "| prompts | prompt | T | proposer | k | tokens | speedup | greedy identical |",
+              "|---|---|---|---|---|---|---|---|"]
+    for run in report["runs"]:
+        same = "–" if run["greedy_identical"] is None else ("yes" if run["greedy_identical"] else "**NO**")
+        lines.append(f"| {run['prompt_set']} | {run['prompt_id']} | {run['temperature']} | {run['proposer']} | {run['k']} | "
+                     f"{run['speculative_tokens']} | {_fmt(run['speedup'])}× | {same} |")
+    lines += ["", "Plots: `acceptance_by_position.png`, `speedup_vs_k.png`. Samples: `samples.jsonl`."]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def cost_model_lines(report: dict) -> list[str]:
+    """The cost model's paragraph and r(k) table, and the feature draft's next to a standalone one's."""
+    cm, cm_end = report["cost_model"], report["cost_model_end"]
+    lines: list[str] = []
     lines += ["", "## Cost model", "",
               f"Measured at a {cm['context_tokens']}-token context: target step {cm['target_step_ms']:.2f} ms, "
               f"draft step {cm['draft_step_ms']:.2f} ms, c = {cm['c']:.3f}. "
@@ -85,24 +109,7 @@ def write_markdown(report: dict, path: Path) -> None:
                   "Its s also counts the forwards through looked-up tokens it reads before drafting again.", "",
                   "| k | " + " | ".join(str(k) for k in fc["r"]) + " |", "|---|" + "---|" * len(fc["r"]),
                   "| r(k) | " + " | ".join(f"{v:.2f}" for v in fc["r"].values()) + " |"]
-    if report.get("hf"):
-        lines += ["", "## Hugging Face generate on the same prompts (greedy)", "",
-                  "| prompts | method | k | tok/s | vs our target-only | ours speculative ÷ this | same tokens as ours |",
-                  "|---|---|---|---|---|---|---|"]
-        for row in report["hf"]:
-            lines.append(f"| {row['prompt_set']} | {row['method']} | {row.get('k') or '–'} | "
-                         f"{_fmt(row['tok_s'], 1)} | {_fmt(row['vs_our_baseline'])}× | "
-                         f"{_fmt(row.get('ours_over_this'), unit='×')} | {row['identical_to_ours']} |")
-    if report.get("engines"):
-        lines += ["", *engine_lines(report["engines"], report["engines_setup"])]
-    lines += ["", "## Per prompt", "", "| prompts | prompt | T | proposer | k | tokens | speedup | greedy identical |",
-              "|---|---|---|---|---|---|---|---|"]
-    for run in report["runs"]:
-        same = "–" if run["greedy_identical"] is None else ("yes" if run["greedy_identical"] else "**NO**")
-        lines.append(f"| {run['prompt_set']} | {run['prompt_id']} | {run['temperature']} | {run['proposer']} | {run['k']} | "
-                     f"{run['speculative_tokens']} | {_fmt(run['speedup'])}× | {same} |")
-    lines += ["", "Plots: `acceptance_by_position.png`, `speedup_vs_k.png`. Samples: `samples.jsonl`."]
-    path.write_text("\n".join(lines) + "\n")
+    return lines
 
 
 def engine_lines(rows: list[dict], setup: dict) -> list[str]:
