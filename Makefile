@@ -7,7 +7,7 @@ NPROC  ?= 1
 # Multi-process runs use torchrun (on CPU, `accelerate launch --cpu` runs a single process).
 LAUNCH  = $(if $(filter-out 1,$(NPROC)),$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) -m,$(PY) -m)
 
-.PHONY: setup test test-fast demo generate-data distill eval-speedup clean
+.PHONY: setup test test-fast demo generate-data distill features eval-speedup clean
 
 setup: $(VENV)/.installed
 
@@ -28,6 +28,10 @@ generate-data: setup
 
 distill: setup
 	$(LAUNCH) distill.train --config $(CONFIG) $(ARGS)
+
+# A feature draft's stored teacher (distill.teacher=stored): the target's hidden states of the layers it reads.
+features: setup
+	$(PY) -m distill.features --config $(CONFIG) $(ARGS)
 
 eval-speedup: setup
 	$(PY) -m decode.bench --config $(CONFIG) $(ARGS)

@@ -142,7 +142,7 @@ class DistillConfig:
     """Run folder: checkpoints/step-N/, final/, metrics."""
     draft_kind: str = "standalone"
     """'standalone': a small language model of its own (distill/draft.py). 'feature': an EAGLE-3-style
-    head reading the target's hidden states (decode/feature_draft.py; needs teacher=online)."""
+    head reading the target's hidden states (decode/feature_draft.py; needs teacher=online or stored)."""
     init: str = "scratch"
     """'scratch' builds a draft in the target's family; otherwise a pretrained HF model reference."""
     param_ratio: float = 0.02
@@ -163,7 +163,9 @@ class DistillConfig:
     lora_rank: int = 0
     """With a pretrained init: train LoRA adapters of this rank and merge on export (0 = full fine-tune)."""
     teacher: str = "cached"
-    """'cached' uses stored top-k logprobs; 'online' runs the frozen target on every batch."""
+    """'cached' uses stored top-k logprobs; 'online' runs the frozen target on every batch; 'stored' (a
+    feature draft only) reads the hidden states `make features` stored next to the data and the shards'
+    top-k logprobs, so the target never runs (held-out α is then a lower bound, as with 'cached')."""
     loss: dict[str, float] = field(default_factory=lambda: {"forward_kl": 1.0})
     """Loss mix: weights for forward_kl, reverse_kl, jsd, tvd, ce."""
     jsd_beta: float = 0.5
@@ -214,12 +216,15 @@ class DistillConfig:
 
     def problems(self) -> list[str]:
         """This section's impossible values, one message each; warns about unusual draft sizes."""
-        out = _not_one_of("distill.teacher", self.teacher, ("cached", "online"))
+        out = _not_one_of("distill.teacher", self.teacher, ("cached", "online", "stored"))
         out += _not_one_of("distill.precision", self.precision, ("auto",) + DTYPE_NAMES)
         out += _not_one_of("distill.embed_init", self.embed_init, ("target", "random"))
         out += _not_one_of("distill.draft_kind", self.draft_kind, ("standalone", "feature"))
         if self.draft_kind == "feature":
             out += self._feature_problems()
+        elif self.teacher == "stored":
+            out.append("distill.teacher=stored reads the hidden states `make features` stores for a feature draft: "
+                       "set distill.draft_kind=feature, or use distill.teacher=cached or online")
         if not 0 < self.param_ratio < 1:
             out.append(f"distill.param_ratio: {self.param_ratio} must be in (0, 1)")
         elif not 0.01 <= self.param_ratio <= 0.03:
@@ -248,9 +253,9 @@ class DistillConfig:
     def _feature_problems(self) -> list[str]:
         """A feature draft's settings (the layers' upper bound needs the target: distill/training/feature.py)."""
         out = []
-        if self.teacher != "online":
+        if self.teacher not in ("online", "stored"):
             out.append("distill.draft_kind=feature reads the target's hidden states, which no shard stores: "
-                       "set distill.teacher=online")
+                       "set distill.teacher=online, or run `make features` and set distill.teacher=stored")
         if self.init != "scratch":
             out.append("distill.draft_kind=feature trains from scratch: leave distill.init=scratch")
         if self.spread_other:

@@ -44,6 +44,9 @@ class Example:
     topk_logp: np.ndarray | None
     """[C, K] their log-probs at T = 1, sorted descending."""
     source: str
+    origin: tuple[Path, int, int] | None = None
+    """(shard, row index in it, index of ids[0] in the row's untruncated prompt + completion): where the
+    row's stored hidden states are (distill/features.py); None for a dummy row."""
 
 
 def manifest_shards(data_dir: str | Path) -> list[Path]:
@@ -83,7 +86,7 @@ def read_rows(data_dirs: list[str], need_topk: bool) -> list[dict]:
                 hint = " (set generate.teacher_topk > 0, or distill.teacher=online)" if need_topk else ""
                 raise DataError(f"shard {path} lacks columns {missing}{hint}")
             keep = columns + (["teacher_topk_ids", "teacher_topk_logprobs"] if need_topk else [])
-            rows += table.select(keep).to_pylist()
+            rows += [{**row, "origin": (path, i)} for i, row in enumerate(table.select(keep).to_pylist())]
     return rows
 
 
@@ -94,7 +97,8 @@ def make_example(row: dict, max_seq_len: int, need_topk: bool) -> Example | None
     if not prompt or not completion:
         return None
     budget = max_seq_len + 1
-    prompt = prompt[-max(1, budget - len(completion)):]
+    dropped = max(0, len(prompt) - max(1, budget - len(completion)))  # the prompt's oldest tokens cut
+    prompt = prompt[dropped:]
     completion = completion[: budget - len(prompt)]
     if not completion:
         return None
@@ -104,8 +108,9 @@ def make_example(row: dict, max_seq_len: int, need_topk: bool) -> Example | None
         topk_logp = np.asarray(row["teacher_topk_logprobs"][: len(completion)], dtype=np.float32)
         if topk_ids.shape[0] != len(completion):
             raise DataError(f"teacher cache has {topk_ids.shape[0]} rows for {len(completion)} completion tokens")
+    origin = (*row["origin"], dropped) if "origin" in row else None
     return Example(np.asarray(prompt + completion, dtype=np.int64), len(prompt), topk_ids, topk_logp,
-                   row["source"])
+                   row["source"], origin)
 
 
 def load_examples(data_dirs: list[str], max_seq_len: int, need_topk: bool,

