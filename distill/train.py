@@ -110,6 +110,13 @@ class DistillRecipe:
         return True
 
     @property
+    def alpha_note(self) -> str:
+        """How held-out α was measured (final_metrics.json)."""
+        if self.dc.teacher == "cached":
+            return "cached teacher: α summed over the stored top-K tokens (lower bound)"
+        return "the target run on the held-out rows: exact α over the full vocabulary"
+
+    @property
     def need_topk(self) -> bool:
         """Whether batches carry the shards' stored top-K (the teacher reads them)."""
         return self.dc.teacher in ("cached", "stored")
@@ -381,8 +388,7 @@ class DistillRecipe:
         dc, state = self.dc, self.state
         summary = {"step": state.step, "best_step": state.best_step, "stopped": stopped,
                    "bad_steps": state.bad_steps, "elapsed_s": round(state.elapsed_s, 1), "teacher": dc.teacher,
-                   "alpha_note": f"{dc.teacher} teacher: α summed over the stored top-K tokens (lower bound)"
-                   if self.need_topk else "online teacher: exact α over the full vocabulary"}
+                   "alpha_note": self.alpha_note}
         best = self.out_dir / "best"
         if self.is_main and self.eval_set and best.is_dir():
             best_metrics = json.loads((best / "metrics.json").read_text())

@@ -1,6 +1,6 @@
 """The stored teacher of a feature draft (distill.teacher=stored, after `make features`): the stored hidden
 states equal the online teacher's, its target_logp equals the online one when the top-K is the whole
-vocabulary, training runs without the target's forward, and bad or missing features fail before any
+vocabulary, training steps run without the target's forward (evaluations run it), and bad or missing features fail before any
 step. The tiny target and helpers of tests/test_feature_training.py; CPU, seconds."""
 
 import json
@@ -12,6 +12,7 @@ from decode.config import ConfigError, load_config
 from decode.models import load_model
 from distill.data import DataError, collate, load_examples
 from distill.features import FeatureSpec, features_dir, main as store_features
+from distill.training.feature import FeatureRecipe
 from distill.training.feature_stored import StoredFeatures, StoredFeatureTeacher, topk_subset_logp
 from distill.training.feature_teacher import FeatureTeacher
 from tests.synthetic_shards import write_scored_shards
@@ -98,19 +99,34 @@ def test_tokens_outside_the_top_k_share_the_rest_of_the_mass():
     ids, logp = torch.tensor([[3, 7]]), torch.tensor([[0.5, 0.3]]).log()  # V = 10, K = 2: rest 0.2 over 8
     subset = torch.tensor([7, 5, 3])
     assert topk_subset_logp(ids, logp, subset, 10).exp().tolist()[0] == pytest.approx([0.3, 0.025, 0.5])
-    assert topk_subset_logp(ids, logp, subset, 10, spread_rest=False).exp().tolist()[0] == pytest.approx([0.3, 0, 0.5])
 
 
-def test_training_with_stored_features_never_runs_the_target(target_dir, data, tmp_path, monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("the target ran forward under distill.teacher=stored")
+def test_training_with_stored_features_runs_the_target_only_to_evaluate(target_dir, data, tmp_path, monkeypatch):
+    """The target's forward runs in held-out evaluations (exact α) and never in a training step."""
+    evaluating = []
+    forward = type(load_model(str(target_dir))).forward
 
-    monkeypatch.setattr(type(load_model(str(target_dir))), "forward", refuse)
+    def only_in_evaluations(*args, **kwargs):
+        assert evaluating, "the target ran forward in a training step under distill.teacher=stored"
+        return forward(*args, **kwargs)
+
+    held_out_metrics = FeatureRecipe.held_out_metrics
+
+    def evaluate(self):
+        evaluating.append(True)
+        try:
+            return held_out_metrics(self)
+        finally:
+            evaluating.pop()
+
+    monkeypatch.setattr(type(load_model(str(target_dir))), "forward", only_in_evaluations)
+    monkeypatch.setattr(FeatureRecipe, "held_out_metrics", evaluate)
     summary = run(target_dir, data, tmp_path, *STORED, "distill.max_steps=16", "distill.eval_every=8",
                   "distill.lr=0.01", "distill.warmup_steps=2", "distill.early_stop_patience=0")
     losses = [r["train/loss"] for r in rows(tmp_path) if "train/loss" in r]
     assert sum(losses[-4:]) < 0.8 * sum(losses[:4]), losses
-    assert 0 < summary["final/alpha"] < 1 and "lower bound" in summary["alpha_note"]
+    assert 0 < summary["final/alpha"] < 1 and "exact" in summary["alpha_note"]
+    assert [r["step"] for r in rows(tmp_path) if "eval/alpha" in r] == [8, 16]
     assert json.loads((tmp_path / "final_metrics.json").read_text())["teacher"] == "stored"
 
 

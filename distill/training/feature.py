@@ -5,7 +5,7 @@ in place of the standalone one.
 Per micro-batch the frozen target runs online (feature_teacher.py) and gives the hidden states of the
 layers the draft reads, the embedding of each next token and its own distribution one position on; with
 distill.teacher=stored the hidden states come from `make features` and the distribution from the shards'
-top-K instead, and the target never runs (feature_stored.py);
+top-K instead, and the target runs only for held-out evaluation (feature_stored.py);
 the draft is unrolled distill.ttt_steps times on its own outputs (EAGLE-3's training-time test) and
 each step's loss (feature_loss.py) is weighted ttt_decay**j. best/ and final/ hold FeatureDraft.save
 plus the target's tokenizer files and the run's config.yaml and metrics.json.
@@ -93,15 +93,17 @@ class FeatureRecipe(DistillRecipe):
         self.say(shape.describe(param_count(target), target.config.hidden_size, target.config.num_hidden_layers))
 
     def setup_teacher(self, target) -> None:
-        """The online teacher runs the target on the device; the stored one needs only its embedding matrix
-        there (the target stays on the CPU and never runs)."""
+        """The online teacher runs the target on every batch. The stored one needs only its embedding
+        matrix for training; the target runs on the held-out rows alone (eval_teacher), so held-out α is
+        exact under both teachers and their runs compare by the same measure."""
         dtype = torch.bfloat16 if self.accelerator.mixed_precision == "bf16" else torch.float32
         subset_ids = self.subset.ids.to(self.device)
+        self.eval_teacher = FeatureTeacher(target.to(self.device, dtype), self.layers, subset_ids, dtype=torch.float32)
         if self.dc.teacher == "stored":
-            embedding = target.get_input_embeddings().weight.detach().to(self.device, dtype)
+            embedding = target.get_input_embeddings().weight.detach()
             self.teacher = StoredFeatureTeacher(embedding, subset_ids, dtype=torch.float32)
         else:
-            self.teacher = FeatureTeacher(target.to(self.device, dtype), self.layers, subset_ids, dtype=torch.float32)
+            self.teacher = self.eval_teacher
 
     def batch_on_device(self, indices: list[int], examples) -> dict:
         """DistillRecipe's batch; the stored teacher's also holds stored_hidden [B, T, L, H]."""
@@ -138,8 +140,8 @@ class FeatureRecipe(DistillRecipe):
     def held_out_metrics(self) -> dict:
         """α per unrolled step, for as many steps as τ at distill.tau_k needs (at least the trained ones)."""
         steps = max(self.dc.ttt_steps, self.dc.tau_k)
-        teacher = self.teacher.top_k_only() if self.dc.teacher == "stored" else self.teacher
-        return evaluate_feature(self.model, teacher, self.eval_batches(), self.accelerator, steps, self.dc.tau_k)
+        return evaluate_feature(self.model, self.eval_teacher, self.eval_batches(), self.accelerator, steps,
+                                self.dc.tau_k)
 
     def export(self, path: Path, metrics: dict) -> None:
         state_dict = self.accelerator.get_state_dict(self.model)

@@ -11,8 +11,7 @@ running the target.
 
 A prompt that make_example shortened (its oldest tokens dropped) keeps the stored states of the whole
 prompt, as the stored top-K did: the online teacher would see only the kept window. Held-out metrics
-use the top-K alone (`top_k_only`), so held-out α is a lower bound, as with the standalone draft's
-cached teacher.
+run the target on the held-out rows (distill/training/feature.py), so α stays exact.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ from distill.features import FeatureSpec, check_folder, features_dir, features_f
 from distill.training.feature_teacher import FeatureBatch
 
 REST_FLOOR = 1e-6  # the cached teacher's floor on the mass outside the top-K (distill/losses.py)
-LOG_ZERO = -1e30  # exp() is 0, yet a subset row holding no top-K token still renormalises to finite values
 
 
 class StoredFeatures:
@@ -61,16 +59,13 @@ class StoredFeatures:
         return hidden
 
 
-def topk_subset_logp(topk_ids: torch.Tensor, topk_logp: torch.Tensor, subset_ids: torch.Tensor, vocab_size: int,
-                     spread_rest: bool = True) -> torch.Tensor:
+def topk_subset_logp(topk_ids: torch.Tensor, topk_logp: torch.Tensor, subset_ids: torch.Tensor,
+                     vocab_size: int) -> torch.Tensor:
     """[n, N] log-probs of the subset's tokens from a stored top-K (topk_ids / topk_logp [n, K]): the top-K's
-    exact, the others log(rest / (V - K)), or ~0 with spread_rest=False (the top-K alone)."""
+    exact, the others log(rest / (V - K))."""
     n, k = topk_ids.shape
-    if spread_rest:
-        rest = (1 - topk_logp.exp().sum(-1)).clamp(min=REST_FLOOR)  # [n]
-        fill = torch.log(rest / max(vocab_size - k, 1))
-    else:
-        fill = topk_logp.new_full((n,), LOG_ZERO)
+    rest = (1 - topk_logp.exp().sum(-1)).clamp(min=REST_FLOOR)  # [n]
+    fill = torch.log(rest / max(vocab_size - k, 1))
     target_logp = fill[:, None].repeat(1, subset_ids.shape[0])  # [n, N]
     row_of = torch.full((vocab_size,), -1, dtype=torch.long, device=topk_ids.device)
     row_of[subset_ids] = torch.arange(subset_ids.shape[0], device=topk_ids.device)
@@ -82,16 +77,10 @@ def topk_subset_logp(topk_ids: torch.Tensor, topk_logp: torch.Tensor, subset_ids
 
 
 class StoredFeatureTeacher:
-    def __init__(self, embedding: torch.Tensor, subset_ids: torch.Tensor, dtype: torch.dtype,
-                 spread_rest: bool = True):
+    def __init__(self, embedding: torch.Tensor, subset_ids: torch.Tensor, dtype: torch.dtype):
         self.embedding = embedding  # [V, H] the target's input embeddings, on the training device
         self.subset_ids = subset_ids  # [N] on the same device
         self.dtype = dtype  # the draft's
-        self.spread_rest = spread_rest
-
-    def top_k_only(self) -> StoredFeatureTeacher:
-        """This teacher with no mass outside the top-K: held-out α is then a lower bound."""
-        return StoredFeatureTeacher(self.embedding, self.subset_ids, self.dtype, spread_rest=False)
 
     @torch.no_grad()
     def __call__(self, batch: dict) -> FeatureBatch:
@@ -101,8 +90,7 @@ class StoredFeatureTeacher:
         positions = F.pad(loss_mask[:, 1:], (0, 1))  # [B, T]
         teacher_at = F.pad(loss_mask[:, 1:], (1, 0))  # [B, T]
         topk_ids, topk_logp = batch["topk_ids"][teacher_at], batch["topk_logp"][teacher_at].float()  # [n, K]
-        target_logp = topk_subset_logp(topk_ids, topk_logp, self.subset_ids, self.embedding.shape[0],
-                                       self.spread_rest)
+        target_logp = topk_subset_logp(topk_ids, topk_logp, self.subset_ids, self.embedding.shape[0])
         embeds = F.embedding(batch["labels"], self.embedding).to(self.dtype)
         finite = bool((~torch.isnan(topk_logp) & (topk_logp < float("inf"))).all())  # -inf: a legal zero
         return FeatureBatch(batch["stored_hidden"].to(self.dtype), embeds, positions, target_logp, topk_ids[:, 0],
