@@ -38,6 +38,7 @@ from distill.data import DataError, manifest_shards
 from distill.feature_shape import feature_layers
 from distill.generation.shards import remove_stale_temp
 from distill.training.feature_target import TargetIdentity, target_config
+from distill.training.feature_teacher import layer_outputs
 
 FEATURES_DIR = "features"
 INFO_FILE = "features.json"
@@ -132,7 +133,7 @@ def row_hidden(target, rows: list[list[int]], layers: list[int], device) -> list
     # logits_to_keep=1: only the hidden states are wanted, not a [B, T, V] head output.
     out = target(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True,
                  logits_to_keep=1)
-    hidden = torch.stack([out.hidden_states[i + 1] for i in layers], dim=2).to("cpu", torch.bfloat16)
+    hidden = layer_outputs(out, layers).to("cpu", torch.bfloat16)
     return [hidden[b, :len(row)] for b, row in enumerate(rows)]
 
 

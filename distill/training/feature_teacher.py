@@ -34,6 +34,13 @@ class FeatureBatch:
     """False when the target's logits hold NaN or inf (the step is then skipped)."""
 
 
+def layer_outputs(out, layers: list[int]) -> torch.Tensor:
+    """[B, T, len(layers), H]: the outputs of the target's decoder `layers` from a forward run with
+    output_hidden_states. hidden_states[0] is the embedding output, [i + 1] layer i's (the last layer's
+    after the final norm, as decode/runners report them at decode time)."""
+    return torch.stack([out.hidden_states[i + 1] for i in layers], dim=2)
+
+
 class FeatureTeacher:
     def __init__(self, target, layers: list[int], subset_ids: torch.Tensor, dtype: torch.dtype):
         self.target = target.eval().requires_grad_(False)
@@ -49,9 +56,7 @@ class FeatureTeacher:
         keep = keep_positions(batch)  # logits only from the first completion position on
         out = self.target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                           output_hidden_states=True, logits_to_keep=keep)
-        # hidden_states[0] is the embedding output, [i + 1] layer i's (the last layer's after the final
-        # norm, as decode/runners report them at decode time).
-        hidden = torch.stack([out.hidden_states[i + 1] for i in self.layers], dim=2).to(self.dtype)
+        hidden = layer_outputs(out, self.layers).to(self.dtype)
         embeds = self.target.get_input_embeddings()(batch["labels"]).to(self.dtype)
         logits = out.logits[teacher_at[:, keep]].float()  # [n, V]
         target_logp = torch.log_softmax(logits, -1)[:, self.subset_ids]  # [n, N]
