@@ -165,7 +165,7 @@ class DistillConfig:
     teacher: str = "cached"
     """'cached' uses stored top-k logprobs; 'online' runs the frozen target on every batch; 'stored' (a
     feature draft only) reads the hidden states `make features` stored next to the data and the shards'
-    top-k logprobs, so the target never runs (held-out α is then a lower bound, as with 'cached')."""
+    top-k logprobs, so the target runs only in the held-out evaluations (α there stays exact)."""
     loss: dict[str, float] = field(default_factory=lambda: {"forward_kl": 1.0})
     """Loss mix: weights for forward_kl, reverse_kl, jsd, tvd, ce."""
     jsd_beta: float = 0.5
@@ -198,6 +198,10 @@ class DistillConfig:
     --config_file configs/fsdp.yaml`)."""
     resume: bool = True
     """Continue from the latest complete checkpoint in out_dir/checkpoints when there is one."""
+    export: bool = True
+    """At the end, export final/ for serving engines into engines.export_dir (default out_dir/export):
+    a feature draft as EAGLE-3, a standalone one that exports exactly as hf-full and gguf
+    (distill/export/serving.py); a draft that would not export exactly is skipped with a line saying why."""
     keep_checkpoints: int = 2
     """Keep only the newest N complete checkpoints (0 = keep all)."""
     stop_after: int = 0

@@ -412,7 +412,13 @@ def train(config) -> dict:
         del recipe  # its models go before the fresh recipe builds its own
         recipe = recipe_kind(config)  # seeded again: the same initial draft as a run that never saved
         recipe.setup(resume=False)
-    return recipe.train()
+    summary = recipe.train()
+    if config.distill.export and recipe.is_main and summary["stopped"] != "interrupted":
+        from distill.export.serving import export_for_serving  # the exporters load gguf and the target
+
+        for line in export_for_serving(config):
+            recipe.say(line)
+    return summary
 
 
 def main(argv: list[str] | None = None) -> dict:

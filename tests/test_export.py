@@ -155,6 +155,15 @@ def test_an_output_holding_another_draft_is_refused_and_kept(spread_run, hf_full
         export_run(spread_run, tmp_path / "notes", "hf")
 
 
+def test_an_export_of_the_same_run_trained_further_is_replaced(tmp_path):
+    run = make_run(tmp_path / "run", subset_draft(seed=5))
+    out = export_run(run, tmp_path / "out", "hf-full")
+    before = (out / "model.safetensors").read_bytes()
+    make_run(tmp_path / "run", subset_draft(seed=6))  # the same run folder, a newer draft
+    export_run(run, out, "hf-full")
+    assert (out / "model.safetensors").read_bytes() != before
+
+
 def test_a_failed_write_leaves_nothing_behind(spread_run, tmp_path, monkeypatch):
     def failing(model, fields, folder, name):
         write_gguf_files(model, fields, folder, name)

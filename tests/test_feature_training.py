@@ -158,6 +158,19 @@ def test_final_round_trips_the_trained_draft(target_dir, data, tmp_path):
     assert loaded.num_params() == sum(t.numel() for n, t in trained.items() if n != "draft.draft_ids")
 
 
+def test_the_run_ends_with_an_eagle3_export_when_engines_can_load_it(target_dir, data, tmp_path, capsys):
+    steps = ["distill.max_steps=1", "distill.eval_every=0", "distill.save_every=0"]
+    run(target_dir, data, tmp_path / "mid", *steps, "distill.feature_layers=[0,1]")
+    config = json.loads((tmp_path / "mid" / "export" / "eagle3" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    capsys.readouterr()
+    # Layer 2 is the last of 3, which engines read after the final norm: skipped, said why, final/ kept.
+    run(target_dir, data, tmp_path / "last", *steps)
+    printed = capsys.readouterr().out
+    assert "export eagle3 skipped" in printed and "last layer (2)" in printed
+    assert is_feature_draft(tmp_path / "last" / "final") and not (tmp_path / "last" / "export" / "eagle3").exists()
+
+
 def test_config_errors(target_dir, data, tmp_path):
     with pytest.raises(ConfigError, match="set distill.teacher=online"):
         load_config(None, ["distill.draft_kind=feature"])

@@ -364,10 +364,30 @@ def test_source_filter_keeps_one_workload(tmp_path):
 
 
 @pytest.mark.parametrize("spread", [False, True])
-def test_spread_other_travels_with_the_trained_draft(data, tmp_path, spread):
+def test_spread_other_travels_with_the_trained_draft(data, tmp_path, spread, capsys):
     # distill.spread_other trains the "other" row as mass spread over the outside tokens: the flag must reach
     # final/, where the decoder and `distill.export --format hf-full` read it (off: the draft is as before).
+    # The run then exports for serving engines only the draft that exports exactly.
     run(data, tmp_path, "distill.max_steps=2", "distill.eval_every=0", "distill.save_every=0",
         f"distill.spread_other={str(spread).lower()}")
     draft = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
     assert VocabSubset.from_config(draft.config).spread_other is spread
+    printed = capsys.readouterr().out
+    if not spread:
+        assert "export skipped" in printed and "distill.spread_other=true" in printed
+        assert not (tmp_path / "export").exists()
+        return
+    full = AutoModelForCausalLM.from_pretrained(tmp_path / "export" / "hf")
+    assert full.config.vocab_size == 49152 and VocabSubset.from_config(full.config) is None
+    assert sorted(f.name for f in (tmp_path / "export" / "gguf").glob("*.gguf")) == ["draft-f16.gguf",
+                                                                                     "draft-q8_0.gguf"]
+    record = json.loads((tmp_path / "export" / "hf" / "export.json").read_text())
+    assert record["source"] == str((tmp_path / "final").resolve()) and record["format"] == "hf-full"
+
+
+def test_no_serving_export_when_turned_off_or_interrupted(data, tmp_path):
+    steps = ["distill.max_steps=2", "distill.eval_every=0", "distill.save_every=0", "distill.spread_other=true"]
+    run(data, tmp_path / "off", *steps, "distill.export=false")
+    assert (tmp_path / "off" / "final").is_dir() and not (tmp_path / "off" / "export").exists()
+    run(data, tmp_path / "cut", *steps, "distill.stop_after=1")
+    assert not (tmp_path / "cut" / "final").exists() and not (tmp_path / "cut" / "export").exists()

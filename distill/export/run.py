@@ -2,7 +2,7 @@
 
 Each format writes into a hidden temporary folder next to --out, renamed into place once complete,
 with export.json saying which draft and format made it: nothing is ever half-written, and an
-existing --out is replaced only when it holds an export of the same draft.
+existing --out is replaced only when it holds an export of the same draft or the same source folder.
 Refused with a one-line UserError: an unknown format, a source folder that is not a complete
 draft, a draft whose tokenizer is not the target's, an --out that holds something else, a feature
 draft (decode/feature_draft.py) as a standalone draft's format or the other way round.
@@ -158,7 +158,8 @@ def check_complete(folder: Path, run_dir: Path) -> None:
 
 
 def check_output_free(out: Path, record: dict) -> None:
-    """--out may be absent, empty, or an export of the same draft (replaced); anything else is refused."""
+    """--out may be absent, empty, or an export of the same draft or of the same source folder (a run
+    trained further since: its old export is stale), which is replaced; anything else is refused."""
     if not out.exists():
         return
     if not out.is_dir():
@@ -169,7 +170,7 @@ def check_output_free(out: Path, record: dict) -> None:
     if previous is None:
         raise OutputInUseError(f"--out {out} already holds files that are not an export; "
                                "choose another folder or remove it")
-    if previous.get("draft") != record["draft"]:
+    if previous.get("draft") != record["draft"] and previous.get("source") != record["source"]:
         raise OutputInUseError(f"--out {out} holds the export of another draft ({previous.get('source')}); "
                                "choose another folder or remove it")
 

@@ -23,7 +23,7 @@ from decode.config import ConfigError, config_to_dict
 MAY_CHANGE = ("name", "draft", "generate.", "eval.", "engines.", "wandb.", "distill.out_dir", "distill.resume",
               "distill.max_steps", "distill.max_minutes", "distill.stop_after", "distill.eval_every",
               "distill.save_every", "distill.keep_checkpoints", "distill.early_stop_patience",
-              "distill.max_bad_steps", "distill.tau_k")
+              "distill.max_bad_steps", "distill.tau_k", "distill.export")
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
