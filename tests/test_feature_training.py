@@ -187,13 +187,19 @@ def test_config_errors(target_dir, data, tmp_path):
         run(target_dir, tmp_path / "no-data", tmp_path / "run", "distill.feature_layers=[]")
 
 
-def test_two_ranks_equal_one_process(target_dir, data, tmp_path):
-    """DDP over the unrolled draft (its forward is the module's): 2 ranks x 2 micro-batches of 2 = 1 x 8."""
+@pytest.mark.parametrize("deepspeed", [False, True], ids=["ddp", "deepspeed-zero2"])
+def test_two_ranks_equal_one_process(target_dir, data, tmp_path, deepspeed):
+    """DDP (or DeepSpeed ZeRO-2) over the unrolled draft (its forward is the module's): 2 ranks x 2
+    micro-batches of 2 = 1 x 8."""
+    if deepspeed:
+        pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install '.[deepspeed]')")
     steps = ["distill.max_steps=3", "distill.eval_every=0", "distill.save_every=0"]
     run(target_dir, data, tmp_path / "one", "distill.micro_batch_size=8", *steps)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
     overrides = [f"target={target_dir}", f"distill.data_dirs=[{data}]", f"distill.out_dir={tmp_path / 'two'}",
                  "wandb.mode=disabled", *FEATURE, "distill.micro_batch_size=2", "distill.grad_accum=2", *steps]
+    if deepspeed:
+        overrides.append("distill.deepspeed_config=configs/deepspeed_zero2.json")
     result = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", "2",
                              "-m", "distill.train", "--config", "configs/tiny.yaml", *overrides],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
