@@ -4,6 +4,7 @@ vocabulary, training steps run without the target's forward (evaluations run it)
 step. The tiny target and helpers of tests/test_feature_training.py; CPU, seconds."""
 
 import json
+import subprocess
 
 import pytest
 import torch
@@ -160,3 +161,13 @@ def test_a_rerun_skips_complete_files_and_refuses_other_layers(target_dir, data,
     with pytest.raises(DataError, match="other layers.*`make features`"):
         store(target_dir, data, "distill.feature_layers=[0,1]")
     assert [f.stat().st_mtime_ns for f in files] == before
+
+
+def test_make_demo_feature_runs_its_four_stages_in_order_on_the_feature_preset():
+    # Each stage is tested on its own above and in test_feature_training.py; this is the wiring.
+    result = subprocess.run(["make", "-n", "-o", ".venv/.installed", "demo-feature"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    stages = [line.split(" -m ")[1].split()[:3] for line in result.stdout.splitlines() if " -m " in line]
+    assert stages == [[module, "--config", "configs/smollm2-feature.yaml"]
+                      for module in ("distill.generate", "distill.features", "distill.train", "decode.bench")]
