@@ -168,7 +168,7 @@ def test_the_run_ends_with_an_eagle3_export_when_engines_can_load_it(target_dir,
     run(target_dir, data, tmp_path / "last", *steps)
     printed = capsys.readouterr().out
     assert "export eagle3 skipped" in printed and "last layer (2)" in printed
-    assert is_feature_draft(tmp_path / "last" / "final") and not (tmp_path / "last" / "export" / "eagle3").exists()
+    assert is_feature_draft(tmp_path / "last" / "final") and not (tmp_path / "last" / "export").exists()
 
 
 def test_config_errors(target_dir, data, tmp_path):

@@ -125,10 +125,16 @@ def export_run(run_dir: str | Path, out: str | Path, fmt: str = "hf", source: st
     draft = load_draft(folder, target)
     tmp = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
+    made_parent = not out.parent.exists()
     out.parent.mkdir(parents=True, exist_ok=True)  # writers create only their own folder
-    with reporting_full_disk(out):
-        FORMATS[fmt](draft, tmp, options or ExportOptions())
-        (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    try:
+        with reporting_full_disk(out):
+            FORMATS[fmt](draft, tmp, options or ExportOptions())
+            (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    except Exception:
+        if made_parent and not any(out.parent.iterdir()):  # a refusal leaves no empty folder behind
+            out.parent.rmdir()
+        raise
     shutil.rmtree(out, ignore_errors=True)  # only an export of this draft, or empty (check_output_free)
     tmp.rename(out)
     return out
