@@ -30,12 +30,18 @@ class LossyExportError(UserError):
     """A subset draft whose exported full-vocabulary distribution would differ from its own."""
 
 
+def exports_exactly(subset: VocabSubset | None) -> bool:
+    """Whether the full-vocabulary model of a draft with this subset (None: a full-vocabulary draft)
+    gives exactly the distribution it was trained to."""
+    return subset is None or subset.spread_other
+
+
 def full_vocab_model(draft: torch.nn.Module, lossy_acceptance: bool = False) -> torch.nn.Module:
     """The draft over the full vocabulary (a full-vocabulary draft is returned as it is)."""
     subset = VocabSubset.of(draft, "cpu")
     if subset is None:
         return draft
-    if not subset.spread_other and not lossy_acceptance:
+    if not exports_exactly(subset) and not lossy_acceptance:
         raise LossyExportError(
             "this subset draft was trained before drafts spread their \"other\" row over the tokens outside "
             "the subset: as a full-vocabulary model it would give those tokens a different probability than "

@@ -21,6 +21,7 @@ from decode.engines.exports import EXPORT_FORMATS, export_dir
 from decode.errors import UserError
 from decode.feature_draft import is_feature_draft
 from decode.vocab import VocabSubset
+from distill.export.hf_full import exports_exactly
 from distill.export.run import export_run
 
 FEATURE_FOLDERS = {"eagle3": "eagle3"}
@@ -33,7 +34,7 @@ def export_for_serving(cfg) -> list[str]:
     """Export <distill.out_dir>/final for serving engines; one line per format, written or skipped."""
     run = Path(cfg.distill.out_dir)
     feature = is_feature_draft(run / "final")
-    if not feature and not exports_exactly(run / "final"):
+    if not feature and not exports_exactly(VocabSubset.from_config(AutoConfig.from_pretrained(run / "final"))):
         return [f"export skipped: this vocabulary-subset draft was trained without distill.spread_other, so as "
                 f"a full-vocabulary model an engine would accept its tokens less often; train with "
                 f"distill.spread_other=true to export it exactly, or run `python -m distill.export --run {run} "
@@ -45,10 +46,3 @@ def export_for_serving(cfg) -> list[str]:
         except UserError as err:
             lines.append(f"export {fmt} skipped: {err}")
     return lines
-
-
-def exports_exactly(final: Path) -> bool:
-    """Whether a standalone draft's full-vocabulary export has its trained distribution
-    (distill/export/hf_full.py): a full-vocabulary draft, or a subset one trained with spread_other."""
-    subset = VocabSubset.from_config(AutoConfig.from_pretrained(final))
-    return subset is None or subset.spread_other
