@@ -345,6 +345,8 @@ class EvalConfig:
 ENGINE_NAMES = ("hf", "vllm", "llamacpp")
 GGUF_QUANTS = ("f16", "q8_0")
 """The GGUF files `make export` writes of the draft and the target (distill/export/gguf.py)."""
+ENGINE_DRAFTS = ("auto", "standalone", "eagle3")
+"""engines.draft: which exported draft the engines run (decode/engines/exports.py)."""
 
 
 @dataclass
@@ -360,7 +362,12 @@ class EnginesConfig:
     """n-gram modes match the last this-many tokens (vLLM prompt_lookup_max, llama.cpp
     --spec-ngram-simple-size-n, HF max_matching_ngram_size)."""
     export_dir: str | None = None
-    """`make export`'s folder: hf/, gguf/, target-gguf/ (default: <distill.out_dir>/export)."""
+    """`make export`'s folder: hf/, gguf/ or eagle3/, eagle3-gguf/, and target-gguf/ (default:
+    <distill.out_dir>/export)."""
+    draft: str = "auto"
+    """Which exported draft the engines run: 'standalone' (hf/, gguf/: vLLM draft_model, llama.cpp -md,
+    HF assistant_model), 'eagle3' (a feature draft's eagle3/, eagle3-gguf/: vLLM and llama.cpp EAGLE-3;
+    HF generate has no EAGLE-3, so its draft rows are left out) or 'auto' (the kind the export folder holds)."""
     vllm_dtype: str = "auto"
     """'auto' (the dtype the exported draft was saved in, i.e. trained in), 'fp32' or 'bf16'."""
     vllm_kv_cache_bytes: int = 1 << 30
@@ -390,6 +397,7 @@ class EnginesConfig:
         out += [f"engines.ks: k={k}; the draft length k must be >= 1" for k in self.ks if k <= 0]
         out += _not_one_of("engines.vllm_dtype", self.vllm_dtype, ("auto",) + DTYPE_NAMES)
         out += _not_one_of("engines.llamacpp_draft", self.llamacpp_draft, GGUF_QUANTS)
+        out += _not_one_of("engines.draft", self.draft, ENGINE_DRAFTS)
         for name in ("ngram", "vllm_kv_cache_bytes"):
             if getattr(self, name) <= 0:
                 out.append(f"engines.{name} must be >= 1")

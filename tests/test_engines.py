@@ -15,13 +15,13 @@ import torch
 from decode.cli import run_cli
 from decode.config import load_config
 from decode.engines.__main__ import add_to_report, main
-from decode.engines.exports import MissingExportError, draft_gguf, draft_hf, target_gguf
+from decode.engines.exports import MissingExportError, draft_gguf, draft_hf, draft_kind, target_gguf
 from decode.engines.job import EngineJob
 from decode.engines.llamacpp_engine import llamacpp_tools
 from decode.engines.llamacpp_output import LlamaCppOutputError, parse_plain, parse_speculative, verbose_prompt_ids
 from decode.engines.rows import EngineRun, engine_rows, outputs_agree
 from decode.engines.target_logprob import token_logprobs
-from decode.engines.vllm_engine import runs_from_result, vllm_python
+from decode.engines.vllm_engine import runs_from_result, speculative_config, vllm_python
 from decode.engines.vllm_worker import ACCEPTED, DRAFT_TOKENS, DRAFTS, acceptance_counts, spec_counters
 from decode.errors import UserError
 from decode.models import load_model
@@ -174,6 +174,27 @@ def test_missing_exports_name_make_export(tmp_path):
             find(cfg)
 
 
+def test_the_export_folder_says_which_draft_the_engines_run(tmp_path):
+    def cfg(*args):
+        return load_config("configs/tiny.yaml", [f"engines.export_dir={tmp_path}", *args])
+
+    assert draft_kind(cfg()) == "standalone"
+    (tmp_path / "eagle3-gguf").mkdir()  # a feature draft's run
+    assert draft_kind(cfg()) == "eagle3"
+    with pytest.raises(MissingExportError, match=r"eagle3-gguf/draft-q8_0.gguf does not exist"):
+        draft_gguf(cfg("engines.llamacpp_draft=q8_0"))
+    with pytest.raises(MissingExportError, match=r"eagle3/config.json does not exist"):
+        draft_hf(cfg())
+    (tmp_path / "gguf").mkdir()
+    with pytest.raises(UserError, match="choose one with engines.draft=standalone or engines.draft=eagle3"):
+        draft_kind(cfg())
+    assert draft_kind(cfg("engines.draft=standalone")) == "standalone"
+    job = EngineJob(cfg("engines.ks=[2,3]"), {}, None, tmp_path, draft_mode="eagle3")
+    assert job.modes == [("plain", None), ("eagle3", 2), ("ngram", 2), ("eagle3", 3), ("ngram", 3)]
+    assert speculative_config("eagle3", 3, tmp_path, 3) == {"method": "eagle3", "model": str(tmp_path),
+                                                           "num_speculative_tokens": 3}
+
+
 def test_a_missing_engine_stops_the_run_before_any_measurement(tmp_path, capsys):
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text("{}")
@@ -203,6 +224,15 @@ def test_hf_engine_end_to_end_on_tiny_models(tmp_path):
     assert all(r["tok_s"] > 0 and r["n_prompts"] == 2 for r in rows.values())
     assert "## Serving engines" in (out / "report.md").read_text()
     assert len((out / "engines" / "outputs.jsonl").read_text().splitlines()) == 6 * 2
+
+
+def test_hf_runs_plain_and_prompt_lookup_for_a_feature_draft(tmp_path, capsys):
+    (tmp_path / "export" / "eagle3").mkdir(parents=True)  # HF cannot run it, so it is never read
+    report = main(["--config", "configs/tiny.yaml", f"engines.export_dir={tmp_path / 'export'}", "engines.run=[hf]",
+                   "eval.prompts=[gsm8k]", "eval.num_prompts=1", "eval.max_new_tokens=4", "eval.temperatures=[0.0]",
+                   f"eval.out_dir={tmp_path / 'eval'}"])
+    assert [r["mode"] for r in report["engines"]] == ["plain", "ngram"]
+    assert "cannot run an EAGLE-3 draft" in capsys.readouterr().out
 
 
 @pytest.mark.slow

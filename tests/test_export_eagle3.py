@@ -96,7 +96,7 @@ def test_run_export_writes_eagle3_and_refuses_other_formats(tmp_path):
     loaded, _ = read_eagle3(out)
     assert (out / "config.yaml").is_file() and json.loads((out / "export.json").read_text())["format"] == "eagle3"
     torch.testing.assert_close(loaded.lm_head.weight, draft.lm_head.weight, atol=0, rtol=0)
-    with pytest.raises(UserError, match="holds a feature draft, which exports as eagle3, not 'hf-full'"):
+    with pytest.raises(UserError, match="holds a feature draft, which exports as eagle3, eagle3-gguf, not 'hf-full'"):
         export_run(run, tmp_path / "out2", "hf-full")
 
 

@@ -20,7 +20,7 @@ from transformers import AutoConfig
 from decode.bench import eval_prompts
 from decode.cli import cli_config, run_cli
 from decode.config import Config, config_to_dict
-from decode.engines.exports import draft_gguf, draft_hf, export_dir, target_gguf
+from decode.engines.exports import draft_gguf, draft_hf, draft_kind, export_dir, target_gguf
 from decode.engines.hf_engine import run_hf
 from decode.engines.job import EngineJob
 from decode.engines.llamacpp_engine import llamacpp_tools, run_llamacpp
@@ -37,10 +37,10 @@ RUNNERS = {"hf": run_hf, "vllm": run_vllm, "llamacpp": run_llamacpp}
 def check_ready(cfg: Config) -> dict[str, str]:
     """Refuse before any measurement when an engine's environment, tools or exported files are missing;
     returns the files the engines will read, by what they are."""
-    engines = cfg.engines.run
+    engines, eagle3 = cfg.engines.run, draft_kind(cfg) == "eagle3"
     files = {}
-    if "hf" in engines or "vllm" in engines:
-        files["draft (HF folder)"] = str(draft_hf(cfg))
+    if "vllm" in engines or ("hf" in engines and not eagle3):
+        files["draft (EAGLE-3 folder)" if eagle3 else "draft (HF folder)"] = str(draft_hf(cfg))
     if "vllm" in engines:
         files["vLLM interpreter"] = str(vllm_python(cfg.generate.vllm.python))
         target_folder(cfg.target)  # refuses a target that exists only in memory (tiny:)
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
     log_dir = out_dir / "engines"
     log_dir.mkdir(parents=True, exist_ok=True)
     job = EngineJob(cfg, {name: [list(p.token_ids) for p in prompts] for name, prompts in prompt_sets.items()},
-                    tokenizer, log_dir)
+                    tokenizer, log_dir, draft_mode="eagle3" if draft_kind(cfg) == "eagle3" else "draft")
     runs: list[EngineRun] = []
     for engine in cfg.engines.run:
         print(f"{engine}: {len(job.modes)} modes x {len(cfg.eval.temperatures)} temperatures x "

@@ -1,8 +1,10 @@
 """Where `make export` puts a run's exports and which files the engines read from there.
 
     <engines.export_dir, default <distill.out_dir>/export>/
-      hf/           the draft as a plain full-vocabulary HF folder (HF assistant_model, vLLM draft_model)
-      gguf/         draft-f16.gguf, draft-q8_0.gguf (llama.cpp -md)
+      hf/           a standalone draft as a plain full-vocabulary HF folder (HF assistant_model, vLLM draft_model)
+      gguf/         its draft-f16.gguf, draft-q8_0.gguf (llama.cpp -md)
+      eagle3/       a feature draft as an EAGLE-3 head (vLLM method eagle3)
+      eagle3-gguf/  its draft-f16.gguf, draft-q8_0.gguf (llama.cpp --spec-type draft-eagle3 -md)
       target-gguf/  target-f16.gguf, target-q8_0.gguf (llama.cpp -m)
 
 distill/export/engines.py writes this layout (distill may import decode, never the reverse); the
@@ -17,7 +19,9 @@ from decode.config import Config
 from decode.errors import UserError
 
 EXPORT_FORMATS = {"hf": "hf-full", "gguf": "gguf", "target-gguf": "target-gguf"}
-"""Folder under the export folder -> `python -m distill.export --format`."""
+"""A standalone draft's run: folder under the export folder -> `python -m distill.export --format`."""
+FEATURE_EXPORT_FORMATS = {"eagle3": "eagle3", "eagle3-gguf": "eagle3-gguf", "target-gguf": "target-gguf"}
+"""The same for a feature draft's run."""
 
 
 class MissingExportError(UserError):
@@ -28,13 +32,29 @@ def export_dir(cfg: Config) -> Path:
     return Path(cfg.engines.export_dir or Path(cfg.distill.out_dir) / "export")
 
 
+def draft_kind(cfg: Config) -> str:
+    """'standalone' or 'eagle3': engines.draft, or with 'auto' the kind of draft the export folder holds."""
+    if cfg.engines.draft != "auto":
+        return cfg.engines.draft
+    folder = export_dir(cfg)
+    found = [kind for kind, names in (("standalone", ("hf", "gguf")), ("eagle3", ("eagle3", "eagle3-gguf")))
+             if any((folder / name).is_dir() for name in names)]
+    if len(found) > 1:
+        raise UserError(f"{folder} holds exports of a standalone draft (hf/, gguf/) and of a feature draft "
+                        "(eagle3/, eagle3-gguf/); choose one with engines.draft=standalone or engines.draft=eagle3")
+    return found[0] if found else "standalone"
+
+
 def draft_hf(cfg: Config) -> Path:
-    """The full-vocabulary HF folder of the draft."""
-    return _existing(export_dir(cfg) / "hf" / "config.json").parent
+    """The draft's folder for HF and vLLM: the full-vocabulary HF folder, or a feature draft's EAGLE-3 head."""
+    name = "eagle3" if draft_kind(cfg) == "eagle3" else "hf"
+    return _existing(export_dir(cfg) / name / "config.json").parent
 
 
 def draft_gguf(cfg: Config) -> Path:
-    return _existing(export_dir(cfg) / "gguf" / f"draft-{cfg.engines.llamacpp_draft}.gguf")
+    """The draft's GGUF for llama.cpp (engines.llamacpp_draft picks the quant)."""
+    name = "eagle3-gguf" if draft_kind(cfg) == "eagle3" else "gguf"
+    return _existing(export_dir(cfg) / name / f"draft-{cfg.engines.llamacpp_draft}.gguf")
 
 
 def target_gguf(cfg: Config) -> Path:

@@ -1,5 +1,6 @@
 """Hugging Face transformers `generate`: the target alone, with the exported full-vocabulary draft as
-`assistant_model` (a plain HF folder, no code of ours) and with HF's prompt lookup.
+`assistant_model` (a plain HF folder, no code of ours) and with HF's prompt lookup. HF has no
+EAGLE-3, so a feature draft's mode (eagle3) is left out and only plain and prompt lookup run.
 
 HF does not report how many drafted tokens it accepted, so its rows have no α or τ.
 """
@@ -24,7 +25,11 @@ def run_hf(job: EngineJob) -> list[EngineRun]:
     device = resolve_device(cfg.device)
     dtype = torch_dtype(ev.dtype, device)
     target = load_model(cfg.target, device, dtype)
-    assistant = AutoModelForCausalLM.from_pretrained(draft_hf(cfg), dtype=dtype).to(device).eval()
+    modes = [(mode, k) for mode, k in job.modes if mode != "eagle3"]
+    if len(modes) < len(job.modes):
+        print("hf: transformers generate cannot run an EAGLE-3 draft; its plain and prompt-lookup rows only")
+    assistant = (AutoModelForCausalLM.from_pretrained(draft_hf(cfg), dtype=dtype).to(device).eval()
+                 if any(mode == "draft" for mode, _ in modes) else None)
     eos = job.tokenizer.eos_token_id
     note = f"transformers {transformers.__version__}, {str(dtype).removeprefix('torch.')}"
 
@@ -34,7 +39,7 @@ def run_hf(job: EngineJob) -> list[EngineRun]:
                            prompt_lookup=mode == "ngram", ngram=cfg.engines.ngram, sampling=ev.sampling(temperature))
 
     runs = []
-    for mode, k in job.modes:
+    for mode, k in modes:
         generate(mode, k, job.prompts[0][1], 0.0, 8)  # untimed warm-up: first calls allocate and pick kernels
         for temperature in ev.temperatures:
             per_set: dict[str, EngineRun] = {}

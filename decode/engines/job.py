@@ -23,6 +23,8 @@ class EngineJob:
     """Prompt set name -> each prompt's token ids."""
     tokenizer: object
     log_dir: Path
+    draft_mode: str = "draft"
+    """The mode our exported draft runs in: 'draft' (a standalone draft) or 'eagle3' (a feature draft)."""
 
     @property
     def threads(self) -> int:
@@ -31,7 +33,7 @@ class EngineJob:
     @property
     def modes(self) -> list[tuple[str, int | None]]:
         """(mode, k): plain decoding, then our draft and the engine's n-gram mode at every k."""
-        return [("plain", None)] + [(mode, k) for k in self.cfg.engines.ks for mode in ("draft", "ngram")]
+        return [("plain", None)] + [(mode, k) for k in self.cfg.engines.ks for mode in (self.draft_mode, "ngram")]
 
     @property
     def prompts(self) -> list[tuple[str, list[int]]]:

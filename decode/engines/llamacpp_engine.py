@@ -3,6 +3,9 @@
   plain  llama-completion (llama-cli in older builds) -m target.gguf
   draft  llama-speculative -m target.gguf -md draft.gguf --spec-draft-n-max k  (at T > 0 it verifies by
          rejection sampling against the draft's probabilities, so sampling stays the target's)
+  eagle3 llama-speculative-simple -m target.gguf -md eagle3-draft.gguf --spec-type draft-eagle3
+         --spec-draft-n-max k (a feature draft; the target's token is sampled at each drafted position
+         and the draft token kept while they agree, which is lossless at any temperature)
   ngram  llama-speculative-simple -m target.gguf --spec-type ngram-simple (the last n tokens looked up
          in the text so far, the k tokens after the match proposed)
 
@@ -63,6 +66,9 @@ def command(tools: LlamaCppTools, mode: str, k: int | None, target: Path, draft:
         return [str(tools.plain), *common, "-no-cnv", "--no-display-prompt", "--verbose-prompt"]
     if mode == "draft":
         return [str(tools.speculative), *common, "-md", str(draft), "--spec-draft-n-max", str(k)]
+    if mode == "eagle3":
+        return [str(tools.speculative_simple), *common, "-md", str(draft), "--spec-type", "draft-eagle3",
+                "--spec-draft-n-max", str(k)]
     return [str(tools.speculative_simple), *common, "--spec-type", "ngram-simple",
             "--spec-ngram-simple-size-n", str(job.cfg.engines.ngram), "--spec-ngram-simple-size-m", str(k)]
 

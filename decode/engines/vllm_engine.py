@@ -1,10 +1,12 @@
-"""vLLM: each mode (plain, the exported draft as `draft_model`, vLLM's `ngram` prompt lookup) starts its
-own engine in a subprocess of the vLLM environment (decode/engines/vllm_worker.py), which decodes
+"""vLLM: each mode (plain, the exported draft as `draft_model` or a feature draft as `eagle3`, vLLM's
+`ngram` prompt lookup) starts its own engine in a subprocess of the vLLM environment (decode/engines/vllm_worker.py), which decodes
 every prompt at every temperature; this side writes the job, reads the result, and keeps the log.
 
 vLLM lives in its own environment (`make setup-vllm`), so `make test` and the rest of the project
 never install it. On CPU it wants Intel OpenMP preloaded (without it n-gram speculation ran ~7x
-slower) and, on a shared machine, no thread pinning.
+slower) and, on a shared machine, no thread pinning. Its CPU build runs `eagle3` only without
+torch.compile (enforce_eager): compiling the EAGLE-3 drafter killed the worker (vLLM 0.32, a
+RecursionError in CPUDNNLGEMMHandler), so that mode is eager where no GPU is present, and says so.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import os
 import signal
 import subprocess
 from pathlib import Path
+
+import torch
 
 from decode.engines.exports import draft_hf
 from decode.engines.job import EngineFailed, EngineJob
@@ -65,8 +69,9 @@ def draft_dtype(draft_dir: Path, choice: str) -> str:
 
 
 def speculative_config(mode: str, k: int | None, draft_dir: Path, ngram: int) -> dict | None:
-    if mode == "draft":
-        return {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": k}
+    if mode in ("draft", "eagle3"):
+        method = "draft_model" if mode == "draft" else "eagle3"
+        return {"method": method, "model": str(draft_dir), "num_speculative_tokens": k}
     if mode == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": ngram}
     return None
@@ -87,11 +92,13 @@ def run_vllm(job: EngineJob) -> list[EngineRun]:
     for mode, k in job.modes:
         name = f"vllm-{mode}" + (f"-k{k}" if k else "")
         job_file = job.log_dir / f"{name}.job.json"
+        eager = mode == "eagle3" and not torch.cuda.is_available()
         job_file.write_text(json.dumps({**base, "speculative_config": speculative_config(mode, k, draft_dir,
-                                                                                          cfg.engines.ngram)}))
+                                                                                          cfg.engines.ngram),
+                                        "enforce_eager": eager}))
         result = run_worker(python, job_file, job.log_dir / f"{name}.result.json", job.log_dir / f"{name}.log",
                             job.threads, cfg.engines.timeout_minutes)
-        runs += runs_from_result(result, job, mode, k, dtype)
+        runs += runs_from_result(result, job, mode, k, dtype + (", enforce_eager" if eager else ""))
     return runs
 
 
@@ -120,8 +127,9 @@ def last_line(log: Path) -> str:
     return lines[-1].strip() if lines else "empty log"
 
 
-def runs_from_result(result: dict, job: EngineJob, mode: str, k: int | None, dtype: str) -> list[EngineRun]:
-    """The worker's per-prompt results as one EngineRun per (temperature, prompt set)."""
+def runs_from_result(result: dict, job: EngineJob, mode: str, k: int | None, settings: str) -> list[EngineRun]:
+    """The worker's per-prompt results as one EngineRun per (temperature, prompt set); `settings` (dtype,
+    eager) goes into its notes after vLLM's version."""
     runs = []
     for temperature in job.cfg.eval.temperatures:
         per_set: dict[str, EngineRun] = {}
@@ -129,7 +137,7 @@ def runs_from_result(result: dict, job: EngineJob, mode: str, k: int | None, dty
             run = per_set.setdefault(set_name, EngineRun(
                 "vllm", set_name, mode, k, temperature, [], [], [],
                 accepted=0 if mode != "plain" else None, drafted=0 if mode != "plain" else None,
-                notes=[f"vLLM {result['vllm_version']}, {dtype}"]))
+                notes=[f"vLLM {result['vllm_version']}, {settings}"]))
             run.new_tokens.append(len(out["token_ids"]))
             run.seconds.append(out["seconds"])
             run.outputs.append(out["token_ids"])

@@ -4,7 +4,7 @@ interpreter (`make setup-vllm`), which has vLLM but not this project:
     <vllm python> decode/engines/vllm_worker.py job.json result.json
 
 job.json (written by decode/engines/vllm_engine.py): the target folder, dtype, KV-cache bytes,
-max_model_len, the speculative_config (null for plain decoding), the prompts as token ids with a
+max_model_len, the speculative_config (null for plain decoding), enforce_eager, the prompts as token ids with a
 sampling seed each, the number of new tokens, the temperatures and top-k/top-p. Every prompt is its
 own generate call (batch 1), after one untimed warm-up call. result.json: per temperature, each prompt's new
 token ids, wall-clock seconds and what its call moved vLLM's speculative counters by.
@@ -51,7 +51,7 @@ def run(job: dict) -> dict:
     started = time.perf_counter()
     llm = LLM(model=job["model"], tokenizer=job["model"], dtype=job["dtype"], seed=job["seed"],
               max_model_len=job["max_model_len"], kv_cache_memory_bytes=job["kv_cache_memory_bytes"],
-              speculative_config=job["speculative_config"],
+              speculative_config=job["speculative_config"], enforce_eager=job.get("enforce_eager", False),
               disable_log_stats=False)  # the speculative counters are only kept with stats on
     start_s = time.perf_counter() - started
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]]

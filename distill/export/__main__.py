@@ -1,4 +1,4 @@
-"""python -m distill.export --run runs/x --out exports/x [--format hf|hf-full|gguf|target-gguf|eagle3]
+"""python -m distill.export --run runs/x --out exports/x [--format hf|hf-full|gguf|target-gguf|eagle3|eagle3-gguf]
 [--source final|best]"""
 
 from __future__ import annotations
@@ -18,12 +18,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="hf: the draft as trained; hf-full: a plain full-vocabulary HF model (HF "
                              "assistant_model, vLLM, SGLang); gguf: f16 and q8_0 GGUF files (llama.cpp -md); "
                              "target-gguf: the run's target as f16 and q8_0 GGUF files (llama.cpp -m); "
-                             "eagle3: a feature draft as an EAGLE-3 head (vLLM and SGLang method eagle3)")
+                             "eagle3: a feature draft as an EAGLE-3 head (vLLM and SGLang method eagle3); "
+                             "eagle3-gguf: a feature draft as f16 and q8_0 GGUF files (llama.cpp "
+                             "--spec-type draft-eagle3 -md)")
     parser.add_argument("--source", default="final", choices=["final", "best"],
                         help="final/ (the run's result) or best/ (best held-out α so far, also mid-run)")
     parser.add_argument("--target", help="the target model reference (default: the run's config.yaml `target`)")
     parser.add_argument("--target-gguf", type=Path,
-                        help="gguf: the target's GGUF file to copy tokenizer metadata from (default: the "
+                        help="gguf, target-gguf, eagle3-gguf: the target's GGUF file to copy tokenizer metadata from (default: the "
                              "embedded target's)")
     parser.add_argument("--lossy-acceptance", action="store_true",
                         help="hf-full/gguf: export a subset draft trained before the spread \"other\" row "

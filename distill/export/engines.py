@@ -3,20 +3,25 @@
     python -m distill.export.engines --config configs/smollm2.yaml [key.sub=value ...]
 
 Exports <distill.out_dir>/final/ into the layout of decode/engines/exports.py (by default
-<distill.out_dir>/export/{hf,gguf,target-gguf}/), one `python -m distill.export` format per folder.
+<distill.out_dir>/export/: hf/, gguf/ for a standalone draft, eagle3/, eagle3-gguf/ for a feature
+draft, and target-gguf/), one `python -m distill.export` format per folder.
 """
 
 from __future__ import annotations
 
 from decode.cli import cli_config, run_cli
-from decode.engines.exports import EXPORT_FORMATS, export_dir
+from pathlib import Path
+
+from decode.engines.exports import EXPORT_FORMATS, FEATURE_EXPORT_FORMATS, export_dir
+from decode.feature_draft import is_feature_draft
 from distill.export.run import export_run
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg = cli_config(argv, "Export a run's draft (and its target) for serving engines.")
     out = export_dir(cfg)
-    for folder, fmt in EXPORT_FORMATS.items():
+    formats = FEATURE_EXPORT_FORMATS if is_feature_draft(Path(cfg.distill.out_dir) / "final") else EXPORT_FORMATS
+    for folder, fmt in formats.items():
         print(f"{fmt}: {export_run(cfg.distill.out_dir, out / folder, fmt, target=cfg.target)}")
 
 

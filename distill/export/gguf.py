@@ -44,12 +44,20 @@ def tokenizer_fields(target_gguf: Path) -> list:
 def write_gguf_files(model, fields: list, folder: Path, name: str) -> list[Path]:
     """`model` (a full-vocabulary Llama) as folder/<name>-<quant>.gguf for every quant in QUANTS."""
     _check_llama(model, fields)
-    tensors = llama_tensors(model)
+    return write_quants(folder, name, "llama", model.config, fields, llama_tensors(model))
+
+
+def write_quants(folder: Path, name: str, arch: str, config, fields: list, tensors: dict[str, np.ndarray],
+                 add_arch_metadata=None) -> list[Path]:
+    """folder/<name>-<quant>.gguf for every quant in QUANTS: the model metadata of `config` (HF names),
+    `add_arch_metadata(writer)` where the architecture has more, the copied tokenizer fields, `tensors`."""
     paths = []
     for quant, (file_type, matrix_type) in QUANTS.items():
         path = folder / f"{name}-{quant}.gguf"
-        writer = gguf.GGUFWriter(path, "llama")
-        _add_model_metadata(writer, model.config, name, file_type)
+        writer = gguf.GGUFWriter(path, arch)
+        add_model_metadata(writer, config, name, file_type)
+        if add_arch_metadata is not None:
+            add_arch_metadata(writer)
         for field in fields:
             _copy_field(writer, field)
         for tensor_name, value in tensors.items():
@@ -79,7 +87,7 @@ def _check_llama(model, fields: list) -> None:
                               "llama.cpp needs one row per token")
 
 
-def _add_model_metadata(writer, config, name: str, file_type) -> None:
+def add_model_metadata(writer, config, name: str, file_type) -> None:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_name(name)
     writer.add_context_length(config.max_position_embeddings)
@@ -135,7 +143,11 @@ def permute_for_rope(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def _add_tensor(writer, name: str, value: np.ndarray, matrix_type) -> None:
-    """Vectors (norms) in f32; matrices in `matrix_type`, f16 where rows do not fill q8_0 blocks."""
+    """Vectors (norms) in f32; matrices in `matrix_type`, f16 where rows do not fill q8_0 blocks;
+    integer tables (EAGLE-3's d2t) as they are."""
+    if value.dtype.kind == "i":
+        writer.add_tensor(name, value)
+        return
     if value.ndim == 1:
         writer.add_tensor(name, value.astype(np.float32))
         return

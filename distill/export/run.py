@@ -23,6 +23,7 @@ from decode.models import (EMBEDDED, TOKENIZER_FILES, check_tokenizers, embedded
                            load_tokenizer, model_hash)
 from distill.disk import reporting_full_disk
 from distill.export.eagle3 import write_eagle3
+from distill.export.eagle3_gguf import write_eagle3_gguf
 from distill.export.gguf import GGUFExportError, tokenizer_fields, write_gguf_files
 from distill.export.hf import export_hf
 from distill.export.hf_full import full_vocab_model
@@ -97,11 +98,19 @@ def write_eagle3_format(draft: Draft, folder: Path, options: ExportOptions) -> N
         (folder / name).write_text(text)
 
 
+def write_eagle3_gguf_format(draft: Draft, folder: Path, options: ExportOptions) -> None:
+    """A feature draft as llama.cpp's EAGLE-3 draft, f16 and q8_0 (distill/export/eagle3_gguf.py)."""
+    fields = tokenizer_fields(_target_gguf(draft.target_ref, options.target_gguf))
+    write_eagle3_gguf(draft.model, target_config(draft.target_ref), fields, folder)
+    for name, text in draft.run_files.items():
+        (folder / name).write_text(text)
+
+
 FORMATS = {"hf": write_hf, "hf-full": write_hf_full, "gguf": write_gguf, "target-gguf": write_target_gguf,
-           "eagle3": write_eagle3_format}
+           "eagle3": write_eagle3_format, "eagle3-gguf": write_eagle3_gguf_format}
 """format name -> writer(draft, folder, options); the writer creates `folder`."""
 STANDALONE_FORMATS = ("hf", "hf-full", "gguf")
-FEATURE_FORMATS = ("eagle3",)
+FEATURE_FORMATS = ("eagle3", "eagle3-gguf")
 """The draft formats of each draft kind: a feature draft reads the target's hidden states, so only
 EAGLE-3 engines run it."""
 

@@ -1,6 +1,7 @@
 """The serving engines' files of a finished run, written at the end of `make distill` (distill.export).
 
-A feature draft becomes the EAGLE-3 head vLLM and SGLang load (export/eagle3/). A standalone draft
+A feature draft becomes the EAGLE-3 head vLLM and SGLang load (export/eagle3/) and llama.cpp's
+EAGLE-3 GGUF files (export/eagle3-gguf/). A standalone draft
 that exports exactly (a full-vocabulary draft, or a subset draft trained with distill.spread_other)
 becomes the folders `make eval-engines` reads (decode/engines/exports.py): export/hf/ (hf-full) and
 export/gguf/ (llama.cpp). The target's own GGUF (`make export`'s target-gguf, hundreds of MB) is left
@@ -17,17 +18,17 @@ from pathlib import Path
 
 from transformers import AutoConfig
 
-from decode.engines.exports import EXPORT_FORMATS, export_dir
+from decode.engines.exports import EXPORT_FORMATS, FEATURE_EXPORT_FORMATS, export_dir
 from decode.errors import UserError
 from decode.feature_draft import is_feature_draft
 from decode.vocab import VocabSubset
 from distill.export.hf_full import exports_exactly
 from distill.export.run import export_run
 
-FEATURE_FOLDERS = {"eagle3": "eagle3"}
-"""Folder under the export folder -> format, for a feature draft."""
+FEATURE_FOLDERS = {folder: fmt for folder, fmt in FEATURE_EXPORT_FORMATS.items() if fmt != "target-gguf"}
+"""Folder under the export folder -> format, for a feature draft: the draft's own formats of `make export`."""
 STANDALONE_FOLDERS = {folder: fmt for folder, fmt in EXPORT_FORMATS.items() if fmt != "target-gguf"}
-"""The same for a standalone draft: the draft's own formats of `make export`."""
+"""The same for a standalone draft."""
 
 
 def export_for_serving(cfg) -> list[str]:
