@@ -9,7 +9,7 @@ VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
 PYTHON=${PYTHON:-python3}
 # Plain decoding is llama-completion in recent builds (llama-cli became an interactive chat there);
 # older builds only have llama-cli. Both are tried; at least one must come out.
-TOOLS="llama-speculative llama-speculative-simple llama-bench"
+TOOLS="llama-speculative-simple llama-bench"
 
 built() {
     for tool in $TOOLS; do [ -x "$DEST/bin/$tool" ] || return 1; done

@@ -17,7 +17,7 @@ from decode.config import load_config
 from decode.engines.__main__ import add_to_report, main
 from decode.engines.exports import MissingExportError, draft_gguf, draft_hf, draft_kind, target_gguf
 from decode.engines.job import EngineJob
-from decode.engines.llamacpp_engine import llamacpp_tools
+from decode.engines.llamacpp_engine import LlamaCppTools, command, llamacpp_tools
 from decode.engines.llamacpp_output import LlamaCppOutputError, parse_plain, parse_speculative, verbose_prompt_ids
 from decode.engines.rows import EngineRun, engine_rows, outputs_agree
 from decode.engines.target_logprob import token_logprobs
@@ -162,8 +162,27 @@ def test_llamacpp_output_without_what_we_read_is_a_clear_error():
         verbose_prompt_ids("number of tokens in prompt = 2\n     1 -> '<|im_start|>'\n")
 
 
+def test_llamacpp_command_of_each_mode(tmp_path):
+    tools = LlamaCppTools(tmp_path, tmp_path / "llama-completion", tmp_path / "llama-speculative-simple")
+    job = EngineJob(load_config("configs/tiny.yaml", ["engines.llamacpp_p_min=0.6"]), {}, None, tmp_path)
+
+    def argv(mode):
+        return command(tools, mode, 3, Path("t.gguf"), Path("d.gguf"), "hi", job, 0.0, 1, 64)
+
+    def value(args, flag):
+        return args[args.index(flag) + 1] if flag in args else None
+
+    for mode, spec_type in (("draft", "draft-simple"), ("eagle3", "draft-eagle3"), ("ngram", "ngram-simple")):
+        args = argv(mode)
+        assert args[0] == str(tools.speculative_simple) and value(args, "--spec-type") == spec_type
+        drafts = mode != "ngram"
+        assert value(args, "-md") == ("d.gguf" if drafts else None)
+        assert value(args, "--spec-draft-p-min") == ("0.6" if drafts else None)
+    assert argv("plain")[0] == str(tools.plain) and "-md" not in argv("plain")
+
+
 def test_missing_llamacpp_tools_name_make_setup_llamacpp(tmp_path):
-    with pytest.raises(UserError, match=r"llama-completion or llama-cli, llama-speculative, .*make setup-llamacpp"):
+    with pytest.raises(UserError, match=r"lacks llama-completion or llama-cli, llama-speculative-simple; run `make setup-llamacpp`"):
         llamacpp_tools(str(tmp_path))
 
 
@@ -240,7 +259,7 @@ def test_llamacpp_tools_end_to_end(tmp_path):
     """The built tools (`make setup-llamacpp`; skipped without them) on the embedded target's GGUF, with the
     same file as the draft: flags this build accepts, what it prints, our prompt ids, greedy identity."""
     tools = ROOT / ".llamacpp" / "bin"
-    if not (tools / "llama-speculative").is_file():
+    if not (tools / "llama-speculative-simple").is_file():
         pytest.skip("llama.cpp's tools are not built (make setup-llamacpp)")
     from decode.models import embedded_gguf
 

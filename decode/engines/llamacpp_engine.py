@@ -1,13 +1,16 @@
 """llama.cpp: the tools `make setup-llamacpp` builds, one process per prompt and mode:
 
   plain  llama-completion (llama-cli in older builds) -m target.gguf
-  draft  llama-speculative -m target.gguf -md draft.gguf --spec-draft-n-max k  (at T > 0 it verifies by
-         rejection sampling against the draft's probabilities, so sampling stays the target's)
-  eagle3 llama-speculative-simple -m target.gguf -md eagle3-draft.gguf --spec-type draft-eagle3
-         --spec-draft-n-max k (a feature draft; the target's token is sampled at each drafted position
-         and the draft token kept while they agree, which is lossless at any temperature)
+  draft  llama-speculative-simple -m target.gguf -md draft.gguf --spec-type draft-simple --spec-draft-n-max k
+         --spec-draft-p-min p (engines.llamacpp_p_min)
+  eagle3 the same with -md eagle3-draft.gguf --spec-type draft-eagle3 (a feature draft)
   ngram  llama-speculative-simple -m target.gguf --spec-type ngram-simple (the last n tokens looked up
          in the text so far, the k tokens after the match proposed)
+
+llama-speculative-simple runs the speculative loop llama-server runs (common/speculative.cpp): the draft
+proposes greedily, the target's token is sampled at each drafted position and the draft token kept while
+they agree, which is lossless at any temperature. (llama-speculative, the older example, verifies by
+rejection sampling but spent ~7 ms of bookkeeping per drafted token here, 29% of a target step.)
 
 The prompt goes in as text with its special tokens (llama.cpp parses them); the plain run lists the
 tokens llama.cpp made of it (--verbose-prompt), which must be our prompt's ids. Sampling is the
@@ -36,7 +39,6 @@ PLAIN_TOOLS = ("llama-completion", "llama-cli")
 class LlamaCppTools:
     folder: Path
     plain: Path
-    speculative: Path
     speculative_simple: Path
 
 
@@ -44,12 +46,12 @@ def llamacpp_tools(folder: str) -> LlamaCppTools:
     """The built tools, or a clear error saying how to build them."""
     bin_dir = Path(folder)
     plain = next((bin_dir / name for name in PLAIN_TOOLS if (bin_dir / name).is_file()), None)
-    missing = [name for name in ("llama-speculative", "llama-speculative-simple") if not (bin_dir / name).is_file()]
+    missing = [name for name in ("llama-speculative-simple",) if not (bin_dir / name).is_file()]
     if plain is None or missing:
         missing = ([] if plain else [" or ".join(PLAIN_TOOLS)]) + missing
         raise UserError(f"engines.llamacpp_bin: {folder} lacks {', '.join(missing)}; run `make setup-llamacpp` "
                         "to build llama.cpp's tools there")
-    return LlamaCppTools(bin_dir, plain, bin_dir / "llama-speculative", bin_dir / "llama-speculative-simple")
+    return LlamaCppTools(bin_dir, plain, bin_dir / "llama-speculative-simple")
 
 
 def sampling_args(temperature: float, top_k: int, top_p: float, seed: int) -> list[str]:
@@ -64,11 +66,10 @@ def command(tools: LlamaCppTools, mode: str, k: int | None, target: Path, draft:
               "-t", str(job.threads), *sampling_args(temperature, ev.top_k, ev.top_p, seed)]
     if mode == "plain":  # -no-cnv: the prompt is already chat-templated
         return [str(tools.plain), *common, "-no-cnv", "--no-display-prompt", "--verbose-prompt"]
-    if mode == "draft":
-        return [str(tools.speculative), *common, "-md", str(draft), "--spec-draft-n-max", str(k)]
-    if mode == "eagle3":
-        return [str(tools.speculative_simple), *common, "-md", str(draft), "--spec-type", "draft-eagle3",
-                "--spec-draft-n-max", str(k)]
+    if mode in ("draft", "eagle3"):
+        spec_type = "draft-simple" if mode == "draft" else "draft-eagle3"
+        return [str(tools.speculative_simple), *common, "-md", str(draft), "--spec-type", spec_type,
+                "--spec-draft-n-max", str(k), "--spec-draft-p-min", str(job.cfg.engines.llamacpp_p_min)]
     return [str(tools.speculative_simple), *common, "--spec-type", "ngram-simple",
             "--spec-ngram-simple-size-n", str(job.cfg.engines.ngram), "--spec-ngram-simple-size-m", str(k)]
 
@@ -80,12 +81,13 @@ def run_llamacpp(job: EngineJob) -> list[EngineRun]:
     eos_text = job.tokenizer.eos_token or ""
     context = max(len(ids) for _, ids in job.prompts) + ev.max_new_tokens + max(cfg.engines.ks) + 16
     note = f"target {target.name}, draft {draft.name}"
-    runs = []
-    for mode, k in job.modes:
-        for temperature in ev.temperatures:
-            per_set: dict[str, EngineRun] = {}
-            for index, (set_name, ids) in enumerate(job.prompts):
-                prompt = job.tokenizer.decode(ids)
+    runs: dict[tuple, EngineRun] = {}
+    for temperature in ev.temperatures:
+        for index, (set_name, ids) in enumerate(job.prompts):
+            prompt = job.tokenizer.decode(ids)
+            # Every mode on this prompt back to back: a machine whose speed drifts (a shared VM) then slows
+            # every mode alike instead of whichever ran during the slow minutes.
+            for mode, k in job.modes:
                 argv = command(tools, mode, k, target, draft, prompt, job, temperature, job.seed(index), context)
                 log = job.log_dir / f"llamacpp-{mode}{f'-k{k}' if k else ''}-T{temperature}-{index}.log"
                 out = run_tool(argv, log, cfg.engines.timeout_minutes)
@@ -93,12 +95,11 @@ def run_llamacpp(job: EngineJob) -> list[EngineRun]:
                           else parse_speculative(*out, prompt, eos_text))
                 if result.prompt_ids is not None and result.prompt_ids != ids:
                     raise EngineFailed(f"llama.cpp tokenized prompt {index} differently from our tokenizer; see {log}")
-                add_result(per_set.setdefault(set_name, EngineRun(
+                add_result(runs.setdefault((mode, k, temperature, set_name), EngineRun(
                     "llamacpp", set_name, mode, k, temperature, [], [], [],
                     accepted=None if mode == "plain" else 0, drafted=None if mode == "plain" else 0, notes=[note])),
                     result)
-            runs += per_set.values()
-    return runs
+    return list(runs.values())
 
 
 def add_result(run: EngineRun, result: LlamaCppResult) -> None:

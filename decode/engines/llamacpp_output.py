@@ -5,7 +5,7 @@ llama-completion (plain decoding) prints the text on stdout and its timers on st
     common_perf_print:    sampling time =      71.60 ms
     common_perf_print:        eval time =     245.12 ms /    31 runs   (    7.91 ms per token, ...)
 `eval time` covers the forwards after the prompt's; the first new token comes from the prompt's
-logits, so new tokens = runs + 1. Decoding time = eval + sampling, the span llama-speculative's
+logits, so new tokens = runs + 1. Decoding time = eval + sampling, the span the speculative tools'
 own timer covers (it starts after the prompt and includes sampling).
 
 llama-speculative and llama-speculative-simple print the prompt and the text on stdout, and on stderr

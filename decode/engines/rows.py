@@ -52,7 +52,7 @@ class EngineRun:
 
 def outputs_agree(a, b) -> bool:
     """Two outputs (token ids or text) equal over their common length. Engines that verify k tokens at
-    a time may stop up to k tokens past the requested count (llama-speculative does); an output that
+    a time may stop up to k tokens past the requested count (llama.cpp's speculative tools do); an output that
     stopped early at EOS is the common length itself."""
     n = min(len(a), len(b))
     return list(a[:n]) == list(b[:n]) and (n > 0 or len(a) == len(b))
