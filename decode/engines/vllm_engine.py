@@ -1,6 +1,7 @@
 """vLLM: each mode (plain, the exported draft as `draft_model` or a feature draft as `eagle3`, vLLM's
-`ngram` prompt lookup) starts its own engine in a subprocess of the vLLM environment (decode/engines/vllm_worker.py), which decodes
-every prompt at every temperature; this side writes the job, reads the result, and keeps the log.
+`ngram` prompt lookup) starts its own engine in a subprocess of the vLLM environment
+(decode/engines/vllm_worker.py), which decodes every prompt at every temperature; this side writes the
+job, reads the result, and keeps the log.
 
 vLLM lives in its own environment (`make setup-vllm`), so `make test` and the rest of the project
 never install it. On CPU it wants Intel OpenMP preloaded (without it n-gram speculation ran ~7x
