@@ -1,6 +1,6 @@
 """A feature draft as llama.cpp's EAGLE-3 draft (`--format eagle3-gguf`): draft-f16.gguf and
 draft-q8_0.gguf for `llama-speculative-simple -m target.gguf -md draft-f16.gguf --spec-type draft-eagle3`
-(llama-server takes the same flags).
+(llama-server documents the same flags).
 
 llama.cpp's `eagle3` architecture holds the same weights as the EAGLE-3 checkpoint vLLM and SGLang
 load (distill/export/eagle3.py), under its own names:
