@@ -38,18 +38,17 @@ def run_hf(job: EngineJob) -> list[EngineRun]:
                            assistant=assistant if mode == "draft" else None, k=k or 1,
                            prompt_lookup=mode == "ngram", ngram=cfg.engines.ngram, sampling=ev.sampling(temperature))
 
-    runs = []
     for mode, k in modes:
         generate(mode, k, job.prompts[0][1], 0.0, 8)  # untimed warm-up: first calls allocate and pick kernels
-        for temperature in ev.temperatures:
-            per_set: dict[str, EngineRun] = {}
-            for index, (set_name, ids) in enumerate(job.prompts):
-                run = per_set.setdefault(set_name, EngineRun("hf", set_name, mode, k, temperature, [], [], [],
-                                                             notes=[note]))
+    runs: dict[tuple, EngineRun] = {}
+    for temperature in ev.temperatures:
+        for index, (set_name, ids) in enumerate(job.prompts):
+            for mode, k in modes:  # every mode on this prompt back to back, as llama.cpp's: drift hits all alike
+                run = runs.setdefault((mode, k, temperature, set_name),
+                                      EngineRun("hf", set_name, mode, k, temperature, [], [], [], notes=[note]))
                 torch.manual_seed(job.seed(index))
                 with timed(device, run.seconds):
                     new = generate(mode, k, ids, temperature, ev.max_new_tokens)
                 run.new_tokens.append(len(new))
                 run.outputs.append(new.tolist())
-            runs += per_set.values()
-    return runs
+    return list(runs.values())
