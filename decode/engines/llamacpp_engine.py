@@ -46,7 +46,7 @@ def llamacpp_tools(folder: str) -> LlamaCppTools:
     """The built tools, or a clear error saying how to build them."""
     bin_dir = Path(folder)
     plain = next((bin_dir / name for name in PLAIN_TOOLS if (bin_dir / name).is_file()), None)
-    missing = [name for name in ("llama-speculative-simple",) if not (bin_dir / name).is_file()]
+    missing = [] if (bin_dir / "llama-speculative-simple").is_file() else ["llama-speculative-simple"]
     if plain is None or missing:
         missing = ([] if plain else [" or ".join(PLAIN_TOOLS)]) + missing
         raise UserError(f"engines.llamacpp_bin: {folder} lacks {', '.join(missing)}; run `make setup-llamacpp` "

@@ -83,4 +83,3 @@ def write_eagle3_gguf(draft, target, fields: list, folder: Path) -> list[Path]:
     folder.mkdir()
     return write_quants(folder, "draft", ARCH, SimpleNamespace(**config), fields,
                         eagle3_gguf_tensors(draft, config), add_eagle3_metadata)
-

@@ -9,9 +9,9 @@ draft, and target-gguf/), one `python -m distill.export` format per folder.
 
 from __future__ import annotations
 
-from decode.cli import cli_config, run_cli
 from pathlib import Path
 
+from decode.cli import cli_config, run_cli
 from decode.engines.exports import EXPORT_FORMATS, FEATURE_EXPORT_FORMATS, export_dir
 from decode.feature_draft import is_feature_draft
 from distill.export.run import export_run

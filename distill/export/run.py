@@ -62,6 +62,12 @@ class Draft:
     run_files: dict[str, str]
 
 
+def write_run_files(draft: Draft, folder: Path) -> None:
+    """The run's own records (RUN_FILES) beside an export that has no HF folder of its own to carry them."""
+    for name, text in draft.run_files.items():
+        (folder / name).write_text(text)
+
+
 def write_hf(draft: Draft, folder: Path, options: ExportOptions) -> None:
     """The draft's HF folder as training saved it (a subset draft keeps its rows and subset)."""
     export_hf(draft.model, draft.tokenizer, folder, draft.run_files)
@@ -79,8 +85,7 @@ def write_gguf(draft: Draft, folder: Path, options: ExportOptions) -> None:
     model = full_vocab_model(draft.model, options.lossy_acceptance)
     folder.mkdir()
     write_gguf_files(model, fields, folder, "draft")
-    for name, text in draft.run_files.items():
-        (folder / name).write_text(text)
+    write_run_files(draft, folder)
 
 
 def write_target_gguf(draft: Draft, folder: Path, options: ExportOptions) -> None:
@@ -94,16 +99,14 @@ def write_target_gguf(draft: Draft, folder: Path, options: ExportOptions) -> Non
 def write_eagle3_format(draft: Draft, folder: Path, options: ExportOptions) -> None:
     """A feature draft as the EAGLE-3 head vLLM and SGLang load (distill/export/eagle3.py)."""
     write_eagle3(draft.model, target_config(draft.target_ref), folder)
-    for name, text in draft.run_files.items():
-        (folder / name).write_text(text)
+    write_run_files(draft, folder)
 
 
 def write_eagle3_gguf_format(draft: Draft, folder: Path, options: ExportOptions) -> None:
     """A feature draft as llama.cpp's EAGLE-3 draft, f16 and q8_0 (distill/export/eagle3_gguf.py)."""
     fields = tokenizer_fields(_target_gguf(draft.target_ref, options.target_gguf))
     write_eagle3_gguf(draft.model, target_config(draft.target_ref), fields, folder)
-    for name, text in draft.run_files.items():
-        (folder / name).write_text(text)
+    write_run_files(draft, folder)
 
 
 FORMATS = {"hf": write_hf, "hf-full": write_hf_full, "gguf": write_gguf, "target-gguf": write_target_gguf,
