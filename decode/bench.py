@@ -38,7 +38,8 @@ from decode.feature_proposer import make_feature_proposer
 from decode.feature_timing import FeatureDraftSteps
 from decode.hf_baselines import full_vocab_view, hf_generate
 from decode.models import (TOKENIZER_FILES, check_tokenizers, load_model, load_tokenizer, param_count,
-                           resolve_device, torch_dtype)
+                           resolve_device)
+from decode.precision import DtypeChoice, machine_class, resolve_decode_dtype
 from decode.prompts import evaluation_split, load_prompt_set, read_split_prompts
 from decode.proposers import Proposer, make_proposer
 from decode.provenance import git_revision
@@ -71,6 +72,8 @@ class Setup:
     proposers: dict[str, Proposer]
     """By report name: "draft" and/or "feature", each with "+lookup" when eval.lookup_ngram > 0."""
     out_dir: Path
+    dtype: DtypeChoice
+    """What target and drafts decode in (eval.dtype resolved), and why."""
 
     def verifier(self, proposer: str) -> Runner:
         """The target runner that verifies a proposer's tokens."""
@@ -113,7 +116,9 @@ def setup(cfg: Config) -> Setup:
     """Models (with the tokenizer and target checks), prompt sets, runners and proposers."""
     ev = cfg.eval
     device = resolve_device(cfg.device)
-    dtype = torch_dtype(ev.dtype, device)
+    precision = resolve_decode_dtype(ev.dtype, device)
+    print(precision.line, file=sys.stderr)
+    dtype = precision.torch_dtype
     standalone_ref, feature_ref = draft_refs(cfg)
     tokenizer = load_tokenizer(cfg.target)
     if standalone_ref is not None:
@@ -146,7 +151,8 @@ def setup(cfg: Config) -> Setup:
         if ev.lookup_ngram:
             proposers["feature+lookup"] = make_feature_proposer(feature_runner, feature, embeddings, ev.lookup_ngram)
     return Setup(cfg, device, tokenizer, target, draft, feature, prompt_sets, target_runner, draft_runner,
-                 feature_runner, proposers, out_dir=Path(ev.out_dir or Path(cfg.distill.out_dir) / "eval"))
+                 feature_runner, proposers, out_dir=Path(ev.out_dir or Path(cfg.distill.out_dir) / "eval"),
+                 dtype=precision)
 
 
 def eval_prompts(cfg: Config, tokenizer, context_length: int) -> dict[str, list]:
@@ -172,20 +178,6 @@ def eval_prompts(cfg: Config, tokenizer, context_length: int) -> dict[str, list]
             raise ConfigError(f"eval.prompts: no usable prompts in {source!r}")
         sets[name] = fits[: cfg.eval.num_prompts]
     return sets
-
-
-def device_description(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    cpu = platform.processor() or "cpu"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {torch.get_num_threads()} threads"
 
 
 def prompt_seed(seed: int, prompt_id: str, temperature: float) -> int:
@@ -360,7 +352,7 @@ def build_report(s: Setup, argv: list[str] | None, costs: dict[str, dict], costs
     report = {
         "command": " ".join(["python -m decode.bench"] + (argv if argv is not None else sys.argv[1:])),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": device_description(s.device), "git_sha": git_revision() or "unknown",
+        "device": machine_class(s.device), "dtype": s.dtype.as_record(), "git_sha": git_revision() or "unknown",
         "backend": type(s.target_runner).__name__,
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": __import__("transformers").__version__},

@@ -24,9 +24,9 @@ import yaml
 from decode.errors import UserError
 from decode.sampling import SamplingParams
 
-DTYPE_NAMES = ("fp32", "bf16")
-"""The one spelling of a dtype in every section (decode.models.torch_dtype maps them to torch)."""
-LOSS_NAMES = ("forward_kl", "reverse_kl", "jsd", "tvd", "ce")
+DTYPE_NAMES = ("auto", "fp32", "bf16")
+"""The one spelling of a dtype in every section; 'auto' resolves per machine (decode/precision.py)."""
+LOSS_NAMES = ("forward_kl", "reverse_kl", "jsd", "tvd", "neg_log_accept", "lk", "ce")
 DATA_SPLITS = ("train", "eval")
 
 
@@ -89,9 +89,11 @@ class GenerateConfig:
     """Store the target's top-k token ids and logprobs (temperature 1) per completion token; 0 = off."""
     max_prompt_tokens: int = 1024
     """Prompts longer than this (after the chat template) are skipped and reported."""
-    dtype: str = "fp32"
-    """'fp32' or 'bf16'. The lean runner then runs only its GEMMs in bf16 (fp32 weights copy, residual
-    stream, softmax): ~2x faster batches on CPUs with avx512_bf16, logprobs within KL ~5e-4 of fp32."""
+    dtype: str = "auto"
+    """'auto' (bf16 where the device computes it natively: CUDA with bf16, CPUs with avx512_bf16 or AMX;
+    else fp32), 'fp32' or 'bf16'. In bf16 the lean runner runs only its GEMMs in bf16 (fp32 weights copy,
+    residual stream, softmax): logprobs within KL ~5e-4 of fp32. On an AVX2-only CPU bf16 is emulated,
+    5-6x slower than fp32."""
     backend: str = "auto"
     """'auto' uses the lean batched Llama runner when it applies, 'lean' requires it, 'hf' forces HF forwards."""
     engine: str = "auto"
@@ -152,11 +154,12 @@ class DistillConfig:
     vocab_subset: int = 0
     """Draft output vocabulary: the N most frequent tokens in the data (0 = full vocabulary; a feature
     draft's head rows, 0 = three quarters of what param_ratio leaves after its fixed layers)."""
-    spread_other: bool = False
+    spread_other: bool = True
     """With a vocab_subset: train the "other" row as its mass spread evenly over the tokens outside the
-    subset, so `python -m distill.export --format hf-full` gives a full-vocabulary draft with exactly the
-    trained distribution. The decoder then samples such a draft over the full vocabulary (its speed and
-    acceptance against the default are not measured yet, hence off by default)."""
+    subset, so the draft exports exactly as a full-vocabulary model (hf-full, GGUF) for serving engines,
+    and the decoder samples it over the full vocabulary. At the demo's budget it kept held-out acceptance
+    (τ(4) 1.378 vs 1.385) and decoded at least as fast. false: the decoder renormalises over the subset
+    and the draft exports only lossily. A feature draft's head has no "other" row: ignored there."""
     embed_init: str = "target"
     """'target' initialises draft embeddings from a low-rank projection of the target's (a feature draft:
     its head from the target's head rows of the subset and its final norm); 'random' does not."""
@@ -167,8 +170,12 @@ class DistillConfig:
     feature draft only) reads the hidden states `make features` stored next to the data and the shards'
     top-k logprobs, so the target runs only in the held-out evaluations (α there stays exact)."""
     loss: dict[str, float] = field(default_factory=lambda: {"forward_kl": 1.0})
-    """Loss mix: weights for forward_kl, reverse_kl, jsd, tvd, ce."""
+    """Loss mix: weights for forward_kl, reverse_kl, jsd, tvd (= 1 − acceptance), neg_log_accept
+    (−log acceptance), lk (KL and TVD blended by acceptance, distill/losses.py) and ce."""
     jsd_beta: float = 0.5
+    lk_eta: float = 3.0
+    """The lk loss weighs forward KL by exp(−lk_eta · α) and TVD by the rest: at 3, KL leads below α ≈ 0.23;
+    0 is forward KL alone, large values TVD alone."""
     kd_temperature: float = 1.0
     """Distillation temperature applied to both teacher and student logits."""
     max_seq_len: int = 512
@@ -192,7 +199,9 @@ class DistillConfig:
     max_bad_steps: int = 0
     """Non-finite steps tolerated (skipped) before the run stops."""
     precision: str = "auto"
-    """'auto' (bf16 on GPU, fp32 on CPU), 'fp32' or 'bf16'."""
+    """'auto' (bf16 autocast where the device computes bf16 natively: CUDA with bf16, CPUs with
+    avx512_bf16 or AMX; else fp32), 'fp32' or 'bf16'. The online teacher and `make features` run the
+    target in this dtype; stored features are bf16 on disk whatever it is."""
     deepspeed_config: str | None = None
     """Path to a DeepSpeed JSON config (ZeRO-2/3); None uses plain DDP (FSDP: `accelerate launch
     --config_file configs/fsdp.yaml`)."""
@@ -221,7 +230,7 @@ class DistillConfig:
     def problems(self) -> list[str]:
         """This section's impossible values, one message each; warns about unusual draft sizes."""
         out = _not_one_of("distill.teacher", self.teacher, ("cached", "online", "stored"))
-        out += _not_one_of("distill.precision", self.precision, ("auto",) + DTYPE_NAMES)
+        out += _not_one_of("distill.precision", self.precision, DTYPE_NAMES)
         out += _not_one_of("distill.embed_init", self.embed_init, ("target", "random"))
         out += _not_one_of("distill.draft_kind", self.draft_kind, ("standalone", "feature"))
         if self.draft_kind == "feature":
@@ -243,6 +252,8 @@ class DistillConfig:
             out.append("distill.vocab_subset works with init=scratch only (a pretrained head has the full vocabulary)")
         if not 0 < self.jsd_beta < 1:
             out.append(f"distill.jsd_beta={self.jsd_beta} must be in (0, 1)")
+        if self.lk_eta < 0:
+            out.append(f"distill.lk_eta={self.lk_eta} must be >= 0 (0 = forward KL alone)")
         if self.kd_temperature <= 0:
             out.append(f"distill.kd_temperature={self.kd_temperature} must be > 0")
         for name in ("micro_batch_size", "grad_accum", "max_steps", "max_seq_len", "tau_k"):
@@ -262,8 +273,6 @@ class DistillConfig:
                        "set distill.teacher=online, or run `make features` and set distill.teacher=stored")
         if self.init != "scratch":
             out.append("distill.draft_kind=feature trains from scratch: leave distill.init=scratch")
-        if self.spread_other:
-            out.append("distill.spread_other: a feature draft's head has no \"other\" row; leave it false")
         if self.loss.get("ce"):
             out.append("distill.loss: 'ce' needs a head row for every sampled token, which a feature draft's "
                        "subset head lacks; use forward_kl, reverse_kl, jsd or tvd")
@@ -303,7 +312,8 @@ class EvalConfig:
     """'auto': the lean Llama runner where it applies ('graph', its CUDA-graph replay, on CUDA);
     'lean' or 'graph' require it; 'hf' forces HF forwards with a DynamicCache."""
     dtype: str = "auto"
-    """'auto' (bf16 on GPU, fp32 on CPU), 'fp32' or 'bf16'."""
+    """'auto' (bf16 on a GPU with native bf16; fp32 on CPUs, even with AMX: batch-1 decoding feeds its
+    GEMMs 1-9 rows, where bf16 ran slower than fp32), 'fp32' or 'bf16'."""
     hf_ks: list[int] = field(default_factory=lambda: [4])
     """k values for the HF assisted-generation and prompt-lookup comparisons."""
     lookup_ngram: int = 0
@@ -337,7 +347,7 @@ class EvalConfig:
                 out.append(f"eval.{name} must be >= 1")
         if self.lookup_ngram and self.lookup_ngram < 2:
             out.append(f"eval.lookup_ngram: {self.lookup_ngram}; use 0 (off) or an n-gram size >= 2")
-        out += _not_one_of("eval.dtype", self.dtype, ("auto",) + DTYPE_NAMES)
+        out += _not_one_of("eval.dtype", self.dtype, DTYPE_NAMES)
         out += _not_one_of("eval.backend", self.backend, ("auto", "lean", "graph", "hf"))
         return out
 
@@ -399,7 +409,7 @@ class EnginesConfig:
         if not self.ks:
             out.append("engines.ks is empty")
         out += [f"engines.ks: k={k}; the draft length k must be >= 1" for k in self.ks if k <= 0]
-        out += _not_one_of("engines.vllm_dtype", self.vllm_dtype, ("auto",) + DTYPE_NAMES)
+        out += _not_one_of("engines.vllm_dtype", self.vllm_dtype, DTYPE_NAMES)
         out += _not_one_of("engines.llamacpp_draft", self.llamacpp_draft, GGUF_QUANTS)
         out += _not_one_of("engines.draft", self.draft, ENGINE_DRAFTS)
         for name in ("ngram", "vllm_kv_cache_bytes"):

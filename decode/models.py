@@ -32,7 +32,6 @@ EMBEDDED = "embedded:smollm2-135m-instruct"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Any one of these makes a folder's tokenizer loadable: fast (tokenizers), SentencePiece, BPE or WordPiece.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
-TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 # Tiny random models for tests and smoke runs. They use the embedded tokenizer (49152 ids),
 # so every pipeline stage (chat template, EOS) behaves as with the real target.
@@ -56,10 +55,10 @@ def resolve_device(device: str = "auto") -> torch.device:
 
 
 def torch_dtype(name: str, device: str | torch.device) -> torch.dtype:
-    """A config's dtype name ('fp32', 'bf16', or 'auto': bf16 on CUDA, fp32 elsewhere) as a torch dtype."""
-    if name == "auto":
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    return TORCH_DTYPES[name]
+    """A decoding dtype name ('fp32', 'bf16', or 'auto') as a torch dtype (decode.precision.resolve_decode_dtype)."""
+    from decode.precision import resolve_decode_dtype
+
+    return resolve_decode_dtype(name, device).torch_dtype
 
 
 def embedded_gguf() -> Path:

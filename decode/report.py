@@ -43,7 +43,8 @@ def write_markdown(report: dict, path: Path) -> None:
              f"- target `{report['target']['ref']}` ({report['target']['params'] / 1e6:.1f}M params)"
              + "".join(_draft_part(name, report.get(key)) for name, key in (("draft", "draft"),
                                                                            ("feature draft", "feature_draft"))),
-             f"- {report['max_new_tokens']} new tokens per prompt, batch 1, backend `{report['backend']}`; "
+             f"- {report['max_new_tokens']} new tokens per prompt, batch 1, backend `{report['backend']}`, "
+             f"{report['dtype']['dtype']} ({report['dtype']['reason']}); "
              "speedup = speculative tokens/s ÷ target-only tokens/s, timed interleaved in one process",
              "", "## Headline", "", report["verdict"], "",
              "## Speculative vs target-only", "",

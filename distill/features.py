@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -29,11 +30,12 @@ import pyarrow.parquet as pq
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from tqdm import tqdm
 
 from decode.cli import cli_config, run_cli
 from decode.config import Config
 from decode.models import load_model, load_tokenizer, resolve_device
+from decode.precision import resolve_dtype
+from decode.progress import BatchProgress
 from distill.data import DataError, manifest_shards
 from distill.feature_shape import feature_layers
 from distill.generation.shards import remove_stale_temp
@@ -147,7 +149,7 @@ def shard_sequences(path: Path) -> list[list[int]]:
 
 
 def write_features(target, path: Path, digest: tuple[str, int], layers: list[int], batch_size: int, device,
-                   bar: tqdm) -> None:
+                   progress: BatchProgress) -> None:
     """Shard `path`'s features file: rows batched longest first (little padding), written complete or not at all."""
     sequences = shard_sequences(path)
     order = sorted(range(len(sequences)), key=lambda r: -len(sequences[r]))
@@ -156,7 +158,7 @@ def write_features(target, path: Path, digest: tuple[str, int], layers: list[int
         chosen = order[start:start + batch_size]
         for r, states in zip(chosen, row_hidden(target, [sequences[r] for r in chosen], layers, device)):
             hidden[r] = states
-        bar.update(len(chosen))
+        progress.batch_done(len(chosen), sum(len(sequences[r]) for r in chosen))
     lengths = torch.tensor([0] + [len(s) for s in sequences])
     tensors = {"hidden": torch.cat(hidden).contiguous(), "offsets": lengths.cumsum(0)}
     file = features_file(path)
@@ -167,9 +169,12 @@ def write_features(target, path: Path, digest: tuple[str, int], layers: list[int
 
 
 def load_target(config: Config, device):
-    """The frozen target in bf16 on `device`, as the online teacher runs it under bf16 (loaded in bf16
-    directly: no fp32 copy on the CPU first)."""
-    return load_model(config.target, device, torch.bfloat16).requires_grad_(False)
+    """The frozen target on `device` in distill.precision as this machine resolves it, the dtype the
+    online teacher runs it in: bf16 (loaded so directly, no fp32 copy first) where the device computes
+    it natively, else fp32. The files are bf16 either way."""
+    precision = resolve_dtype(config.distill.precision, device, "distill.precision")
+    print(f"features: the target runs in {precision.line}", file=sys.stderr)
+    return load_model(config.target, device, precision.torch_dtype).requires_grad_(False)
 
 
 def shards_to_write(config: Config, spec: FeatureSpec) -> tuple[dict[Path, tuple[str, int]], int]:
@@ -196,9 +201,10 @@ def store(config: Config) -> dict:
         target = load_target(config, device)
         for data_dir in config.distill.data_dirs:
             spec.write(features_dir(data_dir))
-        with tqdm(total=sum(rows for _, rows in todo.values()), unit="row", desc="features") as bar:
-            for path, digest in todo.items():
-                write_features(target, path, digest, spec.layers, config.generate.batch_size, device, bar)
+        progress = BatchProgress("features", sum(rows for _, rows in todo.values()), "rows")
+        for path, digest in todo.items():
+            write_features(target, path, digest, spec.layers, config.generate.batch_size, device, progress)
+        progress.close()
     folders = [features_dir(d) for d in config.distill.data_dirs]
     size = sum(f.stat().st_size for folder in folders for f in folder.glob("*.safetensors"))
     return {"written": len(todo), "skipped": kept, "bytes": size, "layers": spec.layers,

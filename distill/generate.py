@@ -14,18 +14,21 @@ environment); both write the same shards. The pieces live in distill/generation/
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import ExitStack
-from itertools import islice
+from itertools import chain, islice
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from decode.cli import cli_config, run_cli
 from decode.config import Config, ConfigError, config_to_dict, save_config
-from decode.models import load_model, load_tokenizer, resolve_device, torch_dtype
+from decode.models import load_model, load_tokenizer, resolve_device
+from decode.precision import resolve_dtype
+from decode.progress import BatchProgress
 from decode.runners import make_batched_runner
 from decode.tracking import start_wandb
 from distill.generation.engine import Completion, Engine, eos_ids
@@ -49,8 +52,14 @@ def run(config: Config) -> dict | None:
         # vLLM's workers hold the GPUs: the processes around them then talk over gloo, never CUDA.
         ranks = Ranks("cpu" if choice.name == "vllm" else config.device)
         cleanup.callback(ranks.close)
+        # 'auto' resolved once, into the config every later step reads (the plan compares the resolved
+        # dtype, so a resume of an explicit bf16 run by auto on the same machine is not a changed setting).
+        dtype = resolve_dtype(g.dtype, resolve_device(config.device), "generate.dtype")
+        config = dataclasses.replace(config, generate=dataclasses.replace(g, dtype=dtype.name))
+        g = config.generate
         if ranks.rank == 0:
             print(choice.reason, file=sys.stderr)
+            print(dtype.line, file=sys.stderr)
         out_dir = Path(g.out_dir)
         tokenizer = load_tokenizer(config.target)
         if choice.name == "vllm":
@@ -80,7 +89,7 @@ def run(config: Config) -> dict | None:
         ranks.barrier()
         if ranks.rank != 0:
             return None
-        manifest = write_manifest(out_dir, config, run_fingerprint, prompt_set, shards, throughput)
+        manifest = write_manifest(out_dir, config, run_fingerprint, prompt_set, shards, throughput, dtype)
         report(manifest, out_dir, tokens, tracker)
         return manifest
 
@@ -89,10 +98,11 @@ def run(config: Config) -> dict | None:
 
 def load_runner(config: Config, device: torch.device):
     """The target behind a batched runner. The lean runner keeps fp32 weights and residual stream
-    and, with dtype bf16, runs only its GEMMs in bf16; HF forwards run wholly in `dtype`."""
+    and, with generate.dtype bf16 (resolved: never 'auto' here), runs only its GEMMs in bf16; HF
+    forwards run wholly in it."""
     g = config.generate
     model = load_model(config.target, device=device, dtype=torch.float32)
-    matmul_dtype = None if g.dtype == "fp32" else torch_dtype(g.dtype, device)
+    matmul_dtype = torch.bfloat16 if g.dtype == "bf16" else None
     try:
         return model, make_batched_runner(model, g.backend, matmul_dtype)
     except ValueError as e:  # e.g. backend 'lean' for a model the lean forward does not cover
@@ -141,26 +151,30 @@ def write_shards(engine: Engine, shards: list[list[Row]], todo: list[int], confi
     """Each shard in todo: its rows through the engine, then one atomic Parquet write. Returns the
     completion tokens produced."""
     g = config.generate
-    bar = tqdm(total=sum(len(shards[i]) for i in todo), unit="row", disable=ranks.rank != 0,
-               desc=f"{g.mode} rank 0/{ranks.world}", dynamic_ncols=True)
+    progress = BatchProgress(f"{g.mode} rank 0/{ranks.world}", sum(len(shards[i]) for i in todo), "rows",
+                             enabled=ranks.rank == 0)
     # One engine call over every row to do, so an engine may batch across shards (vLLM keeps its
     # batch full); each shard is written as soon as its rows are back.
-    stream = completions(engine, [row for i in todo for row in shards[i]], config)
-    tokens, start = 0, time.perf_counter()
+    stream = chain.from_iterable(counted(completions(engine, [row for i in todo for row in shards[i]], config),
+                                         progress))
     for i in todo:
         shard_start, records = time.perf_counter(), []
         for row, completion in zip(shards[i], islice(stream, len(shards[i])), strict=True):
             records.append(shard_record(row, g.mode, completion))
-            tokens += len(completion.completion_ids)
-            bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.0f}", refresh=False)
-            bar.update(1)
         write_shard(rows_to_table(records, g.teacher_topk), out_dir / shard_name(i))
         if tracker is not None:
             shard_tokens = sum(len(r["completion_ids"]) for r in records)
             tracker.log({"shard": i, "tokens": shard_tokens,
                          "tokens_per_s": shard_tokens / (time.perf_counter() - shard_start)})
-    bar.close()
-    return tokens
+    progress.close()
+    return progress.tokens
+
+
+def counted(batches: Iterator[list[Completion]], progress: BatchProgress) -> Iterator[list[Completion]]:
+    """The engine's batches, each counted (rows, completion tokens) as it arrives."""
+    for batch in batches:
+        progress.batch_done(len(batch), sum(len(c.completion_ids) for c in batch))
+        yield batch
 
 
 def completions(engine: Engine, rows: list[Row], config: Config):

@@ -84,8 +84,40 @@ def jsd(draft_logp, target_logp, mask, beta: float = 0.5):
 
 def tvd(draft_logp, target_logp, mask):
     """Total variation ½ Σ |target − draft|. Note 1 − TVD is exactly the acceptance rate α."""
-    per_token = 0.5 * (target_logp.float().exp() - draft_logp.float().exp()).abs().sum(-1)
+    return _masked_sum(_tvd_per_token(draft_logp, target_logp), mask)
+
+
+def _tvd_per_token(draft_logp, target_logp):
+    return 0.5 * (target_logp.float().exp() - draft_logp.float().exp()).abs().sum(-1)
+
+
+def _acceptance_per_token(draft_logp, target_logp):
+    """α = Σ_v min(draft_probs, target_probs) per position [N]."""
+    return torch.minimum(draft_logp.float().exp(), target_logp.float().exp()).sum(-1)
+
+
+# −log α of a position where the draft has no mass on the target's support: log of this floor
+# (α = 1e-6 gives a loss of 13.8 nats) instead of inf, so one such position cannot swamp a step.
+_ACCEPT_FLOOR = 1e-6
+
+
+def neg_log_acceptance(draft_logp, target_logp, mask):
+    """−log α per position: acceptance itself as the objective. Its gradient is the TVD's divided by α,
+    so positions the draft barely matches weigh more than under TVD (which gives every position the
+    same bounded gradient)."""
+    per_token = -torch.log(_acceptance_per_token(draft_logp, target_logp).clamp(min=_ACCEPT_FLOOR))
     return _masked_sum(per_token, mask)
+
+
+def kl_acceptance_blend(draft_logp, target_logp, mask, eta: float = 3.0):
+    """λ·KL(target ‖ draft) + (1 − λ)·TVD per position, λ = exp(−η·α) with α not differentiated: where
+    the draft is far from the target (α small) the smooth, mass-covering KL leads; as α grows the
+    objective turns into 1 − α itself. After the LK losses (arXiv 2602.23881): a small draft settles
+    where minimising KL alone does not maximise acceptance."""
+    alpha = _acceptance_per_token(draft_logp, target_logp).detach()
+    weight = torch.exp(-eta * alpha)
+    kl = kl_per_token(target_logp.float(), draft_logp.float())
+    return _masked_sum(weight * kl + (1 - weight) * _tvd_per_token(draft_logp, target_logp), mask)
 
 
 def cross_entropy(draft_logits, labels, mask):
@@ -97,11 +129,10 @@ def cross_entropy(draft_logits, labels, mask):
 
 def acceptance(draft_logp, target_logp, mask):
     """Expected acceptance α = Σ_v min(draft_probs, target_probs) per token (Leviathan et al.)."""
-    per_token = torch.minimum(draft_logp.float().exp(), target_logp.float().exp()).sum(-1)
-    return _masked_sum(per_token, mask)
+    return _masked_sum(_acceptance_per_token(draft_logp, target_logp), mask)
 
 
-DIVERGENCES = {"forward_kl": forward_kl, "reverse_kl": reverse_kl, "tvd": tvd}
+DIVERGENCES = {"forward_kl": forward_kl, "reverse_kl": reverse_kl, "tvd": tvd, "neg_log_accept": neg_log_acceptance}
 
 
 def temper(logp: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -116,7 +147,7 @@ def temper(logp: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 def mixed_loss(weights: dict[str, float], draft_logp, target_logp, draft_logits, labels, mask,
-               jsd_beta: float = 0.5, temperature: float = 1.0) -> torch.Tensor:
+               jsd_beta: float = 0.5, temperature: float = 1.0, lk_eta: float = 3.0) -> torch.Tensor:
     """Σ_name weight · loss_name, summed over the masked positions (the caller divides by the
     global token count).
 
@@ -130,6 +161,8 @@ def mixed_loss(weights: dict[str, float], draft_logp, target_logp, draft_logits,
             part, _ = cross_entropy(draft_logits, labels, mask)
         elif name == "jsd":
             part, _ = jsd(d, t, mask, jsd_beta)
+        elif name == "lk":
+            part, _ = kl_acceptance_blend(d, t, mask, lk_eta)
         else:
             part, _ = DIVERGENCES[name](d, t, mask)
         total = total + weight * part

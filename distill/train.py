@@ -16,6 +16,7 @@ before any backward), so the gradient does not depend on how the step is split.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import signal
@@ -28,7 +29,9 @@ import yaml
 
 from decode.cli import cli_config, run_cli
 from decode.config import config_to_dict
-from decode.models import check_tokenizers, load_model, load_tokenizer, param_count
+from decode.models import check_tokenizers, load_model, load_tokenizer, param_count, resolve_device
+from decode.precision import resolve_dtype
+from decode.progress import expectation
 from decode.vocab import VocabSubset
 from distill.checkpoint import TrainState, latest_checkpoint, load_newest_loadable, save_checkpoint
 from distill.data import StepSampler, collate, load_examples, token_counts
@@ -66,6 +69,9 @@ class DistillRecipe:
     def __init__(self, config):
         init = [] if config.distill.init == "scratch" else ["distill.init"]
         config.check_model_refs("target", *init)  # a mistyped path fails before any heavy work
+        # 'auto' resolved once into the config the run writes and a resume compares (training/resume.py).
+        self.precision = resolve_dtype(config.distill.precision, resolve_device(config.device), "distill.precision")
+        config = dataclasses.replace(config, distill=dataclasses.replace(config.distill, precision=self.precision.name))
         self.config, self.dc = config, config.distill
         self.accelerator = make_accelerator(config)
         from accelerate.utils import set_seed
@@ -76,6 +82,7 @@ class DistillRecipe:
         self.out_dir = Path(self.dc.out_dir)
         self.stop_requested = False
         self.last_eval_step = -1
+        self.say(self.precision.line)
 
     def say(self, text: str) -> None:
         if self.is_main:
@@ -153,7 +160,9 @@ class DistillRecipe:
         full_vocab = target.get_input_embeddings().weight.shape[0]
         special = [i for i in self.tokenizer.all_special_ids if i < full_vocab]
         ids = select_vocab(token_counts(self.train_set, full_vocab), size, special + [target.config.eos_token_id])
-        subset = VocabSubset(ids, full_vocab, spread_other=self.dc.spread_other)
+        # A feature draft's head has no "other" row to spread (distill.spread_other is ignored there).
+        spread = self.dc.spread_other and self.dc.draft_kind == "standalone"
+        subset = VocabSubset(ids, full_vocab, spread_other=spread)
         held = [t for ex in self.eval_set for t in ex.ids[ex.n_prompt:].tolist()]
         if held:
             covered = float((subset.output_rows[torch.tensor(held)] >= 0).float().mean())
@@ -193,6 +202,9 @@ class DistillRecipe:
             result = self.train_step()
             self.state.elapsed_s = elapsed_before + time.monotonic() - t_start
             self.log_step(result, time.monotonic() - t0)
+            if steps_here == 1 and self.state.step < self.dc.max_steps:
+                self.logger.message(expectation("distill", 1, self.dc.max_steps - self.state.step + 1,
+                                                time.monotonic() - t_start, "steps (evaluations not counted)"))
             early_stop = self.maybe_evaluate()
             interrupt = self.agreed_stop(steps_here)  # a collective: every rank calls it every step
             stop_reason = early_stop or interrupt
@@ -248,7 +260,7 @@ class DistillRecipe:
             labels = self.teacher.subset.rows(labels)  # tokens outside the subset train the "other" row
         mask = torch.ones_like(labels, dtype=torch.bool)
         loss_sum = mixed_loss(self.dc.loss, draft_logp, target_logp, logits, labels, mask, self.dc.jsd_beta,
-                              self.dc.kd_temperature)
+                              self.dc.kd_temperature, self.dc.lk_eta)
         return loss_sum, draft_logp, target_logp, target.finite() and bool(torch.isfinite(loss_sum))
 
     def skip_micro_batch(self) -> None:
@@ -388,7 +400,7 @@ class DistillRecipe:
         dc, state = self.dc, self.state
         summary = {"step": state.step, "best_step": state.best_step, "stopped": stopped,
                    "bad_steps": state.bad_steps, "elapsed_s": round(state.elapsed_s, 1), "teacher": dc.teacher,
-                   "alpha_note": self.alpha_note}
+                   "alpha_note": self.alpha_note, "precision": self.precision.as_record()}
         best = self.out_dir / "best"
         if self.is_main and self.eval_set and best.is_dir():
             best_metrics = json.loads((best / "metrics.json").read_text())

@@ -11,6 +11,7 @@ import torch
 from decode.cli import run_cli
 from decode.config import ConfigError, load_config
 from decode.errors import UserError
+from decode import precision
 from decode.models import torch_dtype
 from decode.sampling import SamplingParams
 
@@ -81,7 +82,7 @@ def test_wrong_types(override, message):
     ("eval.prompts=[data:evl]", "names split 'evl'"),
     ("eval.dtype=float32", "eval.dtype: 'float32' is not one of 'auto', 'fp32', 'bf16'"),
     # Moved from distill/generate.py and distill/train.py into their sections.
-    ("generate.dtype=bfloat16", "generate.dtype: 'bfloat16' is not one of 'fp32', 'bf16' .did you mean 'bf16'"),
+    ("generate.dtype=bfloat16", "generate.dtype: 'bfloat16' is not one of 'auto', 'fp32', 'bf16' .did you mean 'bf16'"),
     ("generate.backend=graph", "generate.backend"),
     (("generate.mode=score", "generate.teacher_topk=0"), "teacher_topk must be >= 1 in score mode"),
     ("generate.eval_fraction=1", r"eval_fraction: 1.0 is outside \[0, 1\)"),
@@ -119,9 +120,10 @@ def test_sampling_parameters_come_from_the_config():
     assert cfg.eval.sampling(0.0) == SamplingParams(0.0, 3, 1.0) and cfg.eval.sampling(0.0).greedy
 
 
-def test_one_dtype_spelling():
-    assert load_config("configs/smollm2.yaml").generate.dtype == "bf16"
+def test_one_dtype_spelling(monkeypatch):
+    assert load_config("configs/smollm2.yaml").generate.dtype == "auto"
     assert torch_dtype("fp32", "cuda") == torch.float32 and torch_dtype("bf16", "cpu") == torch.bfloat16
+    monkeypatch.setattr(precision, "native_bf16", lambda device: (True, "native bf16 (test)"))
     assert torch_dtype("auto", "cpu") == torch.float32 and torch_dtype("auto", torch.device("cuda")) == torch.bfloat16
 
 

@@ -45,7 +45,7 @@ def data(target_dir, tmp_path_factory):
     """test_feature_training's shards, with one-token prompts too (only their completions can be cut),
     features stored."""
     data_dir = write_scored_shards(tmp_path_factory.mktemp("data"), load_model(str(target_dir)), prompt_len=(1, 10))
-    store(target_dir, data_dir)
+    store(target_dir, data_dir, "distill.precision=bf16")  # the target in bf16, as the online teacher below
     return data_dir
 
 

@@ -12,9 +12,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from decode import precision
 from decode.config import load_config
 from decode.errors import UserError
 from decode.models import load_model
+from decode.progress import BatchProgress
 from decode.runners.batched import LeanBatchedRunner
 from decode.runners.hf import HFBatchedRunner
 from decode.sampling import SamplingParams, sample, sample_rows, warp_probs
@@ -198,15 +200,26 @@ def test_resume_with_changed_settings_is_refused(finished_run, tmp_path):
     assert not list(tmp_path.glob("shard-*"))
 
 
+def test_resume_compares_the_resolved_dtype(finished_run, monkeypatch):
+    """finished_run computed in fp32: generate.dtype=auto resumes it where auto resolves to fp32 (no
+    native bf16) and is refused where it resolves to bf16."""
+    monkeypatch.setattr(precision, "native_bf16", lambda device: (False, "no native bf16 (test)"))
+    assert run(config_for(finished_run, "generate.dtype=auto"))["complete"]
+    monkeypatch.setattr(precision, "native_bf16", lambda device: (True, "native bf16 (test)"))
+    with pytest.raises(ResumeMismatch, match="dtype: 'fp32' -> 'bf16'"):
+        run(config_for(finished_run, "generate.dtype=auto"))
+
+
 class FixedEngine:
-    """A stand-in engine: every row gets the completion [7, 2] (EOS) and a fixed teacher top-k."""
+    """A stand-in engine: every row gets the completion [7, 2] (EOS) and a fixed teacher top-k, in
+    batches of 5 rows."""
 
     sampler = "fixed"
 
     def generate(self, rows, sampling, max_new_tokens, teacher_topk, seed):
-        for _ in rows:
-            yield Completion(np.array([7, 2], np.int32), "eos", np.zeros((2, teacher_topk), np.int32),
-                             np.full((2, teacher_topk), -1.5, np.float32))
+        for start in range(0, len(rows), 5):
+            yield [Completion(np.array([7, 2], np.int32), "eos", np.zeros((2, teacher_topk), np.int32),
+                              np.full((2, teacher_topk), -1.5, np.float32)) for _ in rows[start:start + 5]]
 
     def score(self, rows, teacher_topk):
         raise AssertionError("generate mode never scores")
@@ -214,7 +227,12 @@ class FixedEngine:
 
 def test_run_needs_only_the_engine_interface(tmp_path, monkeypatch):
     monkeypatch.setattr("distill.generate.RunnerEngine", lambda *args: FixedEngine())
+    moves = []
+    real_batch_done = BatchProgress.batch_done
+    monkeypatch.setattr(BatchProgress, "batch_done", lambda self, rows, tokens: (moves.append((rows, tokens)),
+                                                                                 real_batch_done(self, rows, tokens)))
     manifest = run(config_for(tmp_path))
+    assert moves == [(5, 10)] * 4 + [(4, 8)]  # the progress moves once per finished batch, by its tokens
     assert manifest["complete"] and manifest["rows"] == 24 and manifest["fingerprint"]["sampler"] == "fixed"
     rows = read_rows(tmp_path)
     assert all(r["completion_ids"] == [7, 2] and r["finish_reason"] == "eos" for r in rows)

@@ -10,15 +10,15 @@ from decode.runners import make_runner
 from decode.runners.hf import HFRunner
 from decode.runners.lean import CACHE_CHUNK, LeanRunner
 from decode.runners.llama import lean_supported
-from decode.runners.projection import MIN_IN, Projection
+from decode.runners import projection
+from decode.runners.projection import LAYOUTS, Projection
 from decode.vocab import VocabSubset
 
 ATOL = 1e-4
 
 
 def _llama(seed=0, **overrides) -> LlamaForCausalLM:
-    # Hidden 256 puts every projection on the w @ x.T path for 1-2 rows (>= MIN_IN inputs); untied
-    # embeddings, 8 query heads over 2 KV heads, a non-default rope theta.
+    # Untied embeddings, 8 query heads over 2 KV heads, a non-default rope theta.
     shape = dict(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
                  tie_word_embeddings=False, rope_theta=5000.0)
@@ -64,20 +64,45 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("in_features", [64, MIN_IN, 576])
-def test_projection_layouts_compute_x_times_w_transposed(in_features, with_bias):
-    """Every row count's layout (gemv, w @ x.T, packed oneDNN) gives x @ w.T (+ bias)."""
+@pytest.mark.parametrize("layouts", [(few, many) for few in LAYOUTS for many in LAYOUTS])
+def test_projection_layouts_compute_x_times_w_transposed(layouts, with_bias):
+    """Every layout (gemv, w @ x.T, packed oneDNN) gives x @ w.T (+ bias) at every row count."""
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(300, in_features, generator=gen) / in_features**0.5
+    w = torch.randn(300, 576, generator=gen) / 576**0.5
     bias = torch.randn(300, generator=gen) if with_bias else None
-    proj = Projection(w, bias, cpu_fp32=True)
-    assert proj.packed is not None  # the CPU build ships oneDNN: the fast path must be on
+    proj = Projection(w, bias, cpu_fp32=True, layouts=layouts)
+    assert (proj.packed is not None) == ("packed" in layouts)  # a packed copy only where it is used
     for m in range(1, 15):
-        x = torch.randn(m, in_features, generator=gen)
+        x = torch.randn(m, 576, generator=gen)
         got = proj(x)
         assert got.shape == (m, 300) and got.is_contiguous()
         expected = x @ w.T if bias is None else x @ w.T + bias
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_projection_keeps_the_layout_measured_fastest(monkeypatch):
+    """Each row class takes the layout that timed fastest for its weight shape, measured once per shape."""
+    speed = {(projection.FEW_ROWS, "linear"): 3.0, (projection.FEW_ROWS, "mm"): 2.0,
+             (projection.FEW_ROWS, "packed"): 1.0, (projection.MANY_ROWS, "linear"): 1.0,
+             (projection.MANY_ROWS, "mm"): 2.0, (projection.MANY_ROWS, "packed"): 3.0}
+    timed = []  # (rows, layout) of every timed call
+    real_run = Projection.run
+
+    def run(self, layout, x):
+        timed.append((x.shape[0], layout))
+        return real_run(self, layout, x)
+
+    monkeypatch.setattr(Projection, "run", run)
+    monkeypatch.setattr(projection, "_best_seconds", lambda fn, x: (fn(x), speed[timed[-1]])[1])
+    monkeypatch.setattr(projection, "_measured", {})
+    w = torch.randn(40, 24)
+    proj = Projection(w, None, cpu_fp32=True)
+    assert (proj.few, proj.many) == ("packed", "linear") and proj.packed is not None
+    assert {layout for _, layout in timed} == set(LAYOUTS)
+    timed.clear()
+    again = Projection(torch.randn(40, 24), None, cpu_fp32=True)  # the same shape: measured already
+    assert (again.few, again.many) == ("packed", "linear") and not timed
+    assert (Projection(w, None, cpu_fp32=False).few, Projection(w, None, cpu_fp32=False).many) == ("linear", "linear")
 
 
 @pytest.mark.parametrize("name", MODELS)

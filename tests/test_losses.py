@@ -5,10 +5,11 @@ import math
 import pytest
 import torch
 
-from distill.losses import (acceptance, cross_entropy, forward_kl, full_vocab_buckets, jsd, mixed_loss,
-                            reverse_kl, subset_buckets, topk_buckets, tvd)
+from distill.losses import (acceptance, cross_entropy, forward_kl, full_vocab_buckets, jsd, kl_acceptance_blend,
+                            mixed_loss, neg_log_acceptance, reverse_kl, subset_buckets, topk_buckets, tvd)
 
-DIVERGENCES = [forward_kl, reverse_kl, tvd, lambda d, t, m: jsd(d, t, m, 0.3)]
+DIVERGENCES = [forward_kl, reverse_kl, tvd, lambda d, t, m: jsd(d, t, m, 0.3), neg_log_acceptance,
+               kl_acceptance_blend]
 
 
 def _logp(n=6, v=10, seed=0, neg_inf_cols=()):
@@ -52,7 +53,37 @@ def test_forward_kl_matches_torch_and_jsd_tvd_bounds():
     assert torch.allclose(acceptance(draft, target, mask)[0], 6 - tvd(draft, target, mask)[0], atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["forward_kl", "reverse_kl", "jsd", "tvd", "ce"])
+def test_acceptance_losses_are_functions_of_acceptance_and_kl():
+    draft, target = _logp(seed=4), _logp(seed=5)
+    mask = torch.ones(6, dtype=torch.bool)
+    alpha = torch.minimum(draft.exp(), target.exp()).sum(-1)  # [6]
+    assert torch.allclose(neg_log_acceptance(draft, target, mask)[0], -alpha.log().sum(), atol=1e-5)
+    kl = torch.nn.functional.kl_div(draft, target, log_target=True, reduction="none").sum(-1)
+    weight = torch.exp(-3.0 * alpha)
+    blend = (weight * kl + (1 - weight) * (1 - alpha)).sum()
+    assert torch.allclose(kl_acceptance_blend(draft, target, mask, eta=3.0)[0], blend, atol=1e-5)
+    # eta = 0: forward KL alone; a large eta: TVD (1 − α) alone.
+    assert torch.allclose(kl_acceptance_blend(draft, target, mask, eta=0.0)[0], forward_kl(draft, target, mask)[0],
+                          atol=1e-5)
+    assert torch.allclose(kl_acceptance_blend(draft, target, mask, eta=1e4)[0], tvd(draft, target, mask)[0], atol=1e-5)
+
+
+def test_acceptance_losses_raise_acceptance_by_gradient_descent():
+    """A few steps of each acceptance loss on a free draft raise α towards the target's 1."""
+    target = _logp(n=4, v=8, seed=7)
+    mask = torch.ones(4, dtype=torch.bool)
+    for loss in (neg_log_acceptance, kl_acceptance_blend, tvd):
+        logits = torch.zeros(4, 8, requires_grad=True)
+        start = float(acceptance(torch.log_softmax(logits, -1), target, mask)[0])
+        optimizer = torch.optim.SGD([logits], lr=0.5)
+        for _ in range(50):
+            optimizer.zero_grad()
+            loss(torch.log_softmax(logits, -1), target, mask)[0].backward()
+            optimizer.step()
+        assert float(acceptance(torch.log_softmax(logits, -1), target, mask)[0]) > start + 0.5
+
+
+@pytest.mark.parametrize("name", ["forward_kl", "reverse_kl", "jsd", "tvd", "neg_log_accept", "lk", "ce"])
 def test_neg_inf_entries_give_finite_gradients(name):
     logits = torch.randn(5, 12, generator=torch.Generator().manual_seed(0))
     logits[:, 3] = float("-inf")  # a token the draft can never emit

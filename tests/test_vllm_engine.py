@@ -48,7 +48,8 @@ FAKE_RUN = ["generate.engine=vllm", f"generate.vllm.python={sys.executable}", "g
 
 
 def config_for(out_dir, *overrides):
-    return load_config(ROOT / "configs/smollm2.yaml", [f"generate.out_dir={out_dir}", *overrides])
+    """The demo preset with generate.dtype resolved, as generate-data hands it to the engine."""
+    return load_config(ROOT / "configs/smollm2.yaml", [f"generate.out_dir={out_dir}", "generate.dtype=bf16", *overrides])
 
 
 def read_rows(out_dir) -> list[dict]:

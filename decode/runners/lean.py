@@ -78,8 +78,9 @@ class RollbackCache:
 class LeanRunner:
     """Batch-1 lean Llama forward over a `RollbackCache` (implements `decode.runners.Runner`).
 
-    On CPU fp32 every projection also keeps a packed copy: about 2x the model's size in extra memory,
-    ~1 GB for SmolLM2-135M. Build a new runner after changing the model's weights."""
+    On CPU fp32 each weight shape's layouts are timed when the runner is built (runners/projection.py);
+    a projection whose fastest layout is oneDNN's keeps a packed copy of its weight (up to the model's
+    size again, ~0.5 GB for SmolLM2-135M). Build a new runner after changing the model's weights."""
 
     def __init__(self, model: LlamaForCausalLM, vocab_size: int, hidden_layers: Sequence[int] = ()):
         self.vocab_size = vocab_size

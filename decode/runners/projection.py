@@ -7,6 +7,8 @@ Both are called as projection(x) = x @ w.T (+ bias) on x [..., in]:
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -15,44 +17,80 @@ import torch.nn.functional as F
 #                         M = 1    2    3    5    9   12
 #   torch.mm(w, x.T) (MKL)   30   31   50   61  111  146
 #   oneDNN, packed weights   38   49   32   30   41   46
-# (F.linear, layers only, another run: 35 58 69 56 64 for M = 1, 2, 3, 5, 9.)
-# MKL runs 1-2 rows at memory speed but 3+ rows at a fraction of the core's AVX-512 peak;
-# oneDNN with weights reordered once into its blocked layout runs 3-12 rows in about the time
-# of one. So M >= PACKED_MIN_M uses the packed weights, M <= 2 uses w @ x.T (one row duplicated
-# into two), except a small draft's layers (fewer than MIN_IN inputs and MIN_OUT outputs), where
-# gemv is faster: 28-117 us vs 38-116 us per pair of layers. A draft's output head (8192 x 192
-# for the demo's) is wide enough for w @ x.T to win: 0.38 ms vs 0.80 ms.
-PACKED_MIN_M = 3
-MIN_IN = 256
-MIN_OUT = 4096
+# On a Sapphire Rapids class Xeon (AVX-512 FP16/AMX) the packed path was a third faster than that
+# CPU's choice for a few rows too, and a small draft's layers run fastest as plain gemv (F.linear).
+# No one rule holds on every CPU, so each weight shape times its layouts once per process, when a
+# runner is built (`choose_layouts`: ~0.1 s for SmolLM2-135M's seven shapes), and keeps the fastest
+# for few rows (timed at FEW_ROWS, used up to FEW_MAX_ROWS) and for more (timed at MANY_ROWS).
+LAYOUTS = ("linear", "mm", "packed")
+"""F.linear; torch.mm(w, x.T) with one row duplicated into two; oneDNN on weights packed once."""
+FEW_ROWS, MANY_ROWS = 1, 5
+FEW_MAX_ROWS = 2
+TIMING_REPEATS = 3
+_measured: dict[tuple, tuple[str, str]] = {}
 
 
 def _packed_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def _best_seconds(fn, x: torch.Tensor) -> float:
+    """The fastest of TIMING_REPEATS calls after one warm-up."""
+    fn(x)
+    times = []
+    for _ in range(TIMING_REPEATS):
+        start = time.perf_counter()
+        fn(x)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
 class Projection:
     """One weight w [out, in] (and bias [out]) in the layout each row count runs fastest in.
 
-    Only CPU fp32 has a choice of layouts; elsewhere this is F.linear. The packed copy (CPU fp32)
-    doubles this weight's memory."""
+    Only CPU fp32 has a choice of layouts (measured per weight shape, or given as (few, many));
+    elsewhere this is F.linear. A packed copy (doubling this weight's memory) is kept only where a
+    packed layout won."""
 
-    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, cpu_fp32: bool):
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, cpu_fp32: bool,
+                 layouts: tuple[str, str] | None = None):
         self.w, self.bias = w, bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 8) if cpu_fp32 and _packed_available() else None
-        # w @ x.T for 1-2 rows, except a small draft layer's weight (gemv is faster there).
-        self.mm_for_few_rows = cpu_fp32 and not (w.shape[1] < MIN_IN and w.shape[0] < MIN_OUT)
+        key = (tuple(w.shape), bias is not None, torch.get_num_threads())
+        layouts = ("linear", "linear") if not cpu_fp32 else layouts or _measured.get(key)
+        want_packed = cpu_fp32 and _packed_available() and (layouts is None or "packed" in layouts)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 8) if want_packed else None
+        if layouts is None:
+            layouts = _measured[key] = self.choose_layouts()
+        if "packed" in layouts and self.packed is None:
+            raise ValueError("the packed layout needs oneDNN (torch.backends.mkldnn) and a CPU fp32 weight")
+        self.few, self.many = layouts
+        if "packed" not in layouts:
+            self.packed = None
+
+    def choose_layouts(self) -> tuple[str, str]:
+        """(fastest layout at FEW_ROWS, fastest at MANY_ROWS) of this weight, timed here and now."""
+        gen = torch.Generator().manual_seed(0)
+        candidates = [name for name in LAYOUTS if name != "packed" or self.packed is not None]
+        chosen = []
+        for m in (FEW_ROWS, MANY_ROWS):
+            x = torch.randn(m, self.w.shape[1], generator=gen, dtype=self.w.dtype)
+            chosen.append(min(candidates, key=lambda name: _best_seconds(lambda v: self.run(name, v), x)))
+        return chosen[0], chosen[1]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, in] -> contiguous [M, out]."""
-        m = x.shape[0]
-        if self.packed is not None and m >= PACKED_MIN_M:
+        return self.run(self.few if x.shape[0] <= FEW_MAX_ROWS else self.many, x)
+
+    def run(self, layout: str, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in] -> contiguous [M, out] through one layout."""
+        if layout == "packed":
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
-        if m >= PACKED_MIN_M or not self.mm_for_few_rows:
+        if layout == "linear":
             return F.linear(x, self.w, self.bias)
+        m = x.shape[0]
         x = x.contiguous()
         if m == 1:
-            x = torch.cat([x, x])  # [2, in]
+            x = torch.cat([x, x])  # [2, in]: MKL's gemm, not its slower gemv
         out = torch.mm(self.w, x.t())[:, :m].t().contiguous()  # [out, 2 or M] -> [M, out]
         return out if self.bias is None else out + self.bias
 

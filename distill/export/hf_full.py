@@ -43,10 +43,11 @@ def full_vocab_model(draft: torch.nn.Module, lossy_acceptance: bool = False) -> 
         return draft
     if not exports_exactly(subset) and not lossy_acceptance:
         raise LossyExportError(
-            "this subset draft was trained before drafts spread their \"other\" row over the tokens outside "
-            "the subset: as a full-vocabulary model it would give those tokens a different probability than "
-            "the project's decoder does (so a serving engine would accept less often). Retrain it (new runs "
-            "spread the row), or pass --lossy-acceptance to export it anyway.")
+            "this subset draft does not spread its \"other\" row over the tokens outside the subset (trained "
+            "with distill.spread_other=false, or before that setting existed): as a full-vocabulary model it "
+            "would give those tokens a different probability than the project's decoder does (so a serving "
+            "engine would accept less often). Retrain it with distill.spread_other=true (the default), or pass "
+            "--lossy-acceptance to export it anyway.")
     config = copy.deepcopy(draft.config)
     VocabSubset.remove_from(config)
     config.vocab_size = subset.full_vocab_size

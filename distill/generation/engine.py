@@ -38,13 +38,14 @@ class Engine(Protocol):
     fingerprint records it, so a resumed run never mixes rows of two samplers."""
 
     def generate(self, rows: list[Row], sampling: SamplingParams, max_new_tokens: int, teacher_topk: int,
-                 seed: int) -> Iterator[Completion]:
-        """One sampled completion per row, in row order. A row's tokens depend only on (seed,
+                 seed: int) -> Iterator[list[Completion]]:
+        """One sampled completion per row, in row order, a list per finished batch (progress moves by them). A row's tokens depend only on (seed,
         prompt_id, sample_index) and the model, never on the other rows. teacher_topk > 0 also
         returns the target's top-k before each completion token."""
 
-    def score(self, rows: list[Row], teacher_topk: int) -> Iterator[Completion]:
-        """Per row, the target teacher-forced over the row's completion_ids: their top-k, in row order."""
+    def score(self, rows: list[Row], teacher_topk: int) -> Iterator[list[Completion]]:
+        """Per row, the target teacher-forced over the row's completion_ids: their top-k, in row order,
+        a list per finished batch."""
 
 
 def row_seed(seed: int, prompt_id: str, sample_index: int) -> int:

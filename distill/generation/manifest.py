@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from decode.config import Config, config_to_dict
+from decode.precision import DtypeChoice
 from decode.prompts import PromptSet
 from decode.provenance import git_revision
 from distill.generation.plan import Row, skipped_by_reason
@@ -35,9 +36,9 @@ def _versions() -> dict:
 
 
 def write_manifest(out_dir: Path, config: Config, fingerprint: dict, prompt_set: PromptSet,
-                   shards: list[list[Row]], throughput: list[dict]) -> dict:
+                   shards: list[list[Row]], throughput: list[dict], dtype: DtypeChoice) -> dict:
     """Every shard on disk (row count checked, sha256) + the run's provenance; throughput: one dict
-    per rank (tokens, seconds, shards) for this run only."""
+    per rank (tokens, seconds, shards) for this run only, computed in `dtype` on the machine it names."""
     listed = []
     for index, shard in enumerate(shards):
         path = out_dir / shard_name(index)
@@ -54,7 +55,8 @@ def write_manifest(out_dir: Path, config: Config, fingerprint: dict, prompt_set:
                     "skipped_by_reason": skipped_by_reason(prompt_set), "skipped": prompt_set.skipped,
                     "split_counts": prompt_set.split_counts()},
         "throughput_this_run": {"tokens": tokens, "seconds": round(seconds, 2),
-                                "tokens_per_s": round(tokens / seconds, 1) if seconds else None, "ranks": throughput},
+                                "tokens_per_s": round(tokens / seconds, 1) if seconds else None, "ranks": throughput,
+                                "compute": dtype.as_record()},
         "versions": _versions(), "git_sha": git_revision(), "config": config_to_dict(config),
         "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }

@@ -46,7 +46,7 @@ def batches(rows: list[Row], batch_size: int, max_batch_tokens: int, new_tokens:
 
 
 class RunnerEngine:
-    """`Engine` over one BatchedRunner; yields each batch's completions as soon as it is done."""
+    """`Engine` over one BatchedRunner; yields each batch's completions as soon as the batch is done."""
 
     sampler = SAMPLER
 
@@ -57,18 +57,17 @@ class RunnerEngine:
         self.max_batch_tokens = max_batch_tokens
 
     def generate(self, rows: list[Row], sampling: SamplingParams, max_new_tokens: int, teacher_topk: int,
-                 seed: int) -> Iterator[Completion]:
+                 seed: int) -> Iterator[list[Completion]]:
         for batch in batches(rows, self.batch_size, self.max_batch_tokens, max_new_tokens):
             uniforms = torch.stack([row_uniforms(seed, r.prompt.prompt_id, r.sample_index, max_new_tokens)
                                     for r in batch])  # [B, max_new_tokens]
-            yield from generate_batch(self.runner, [list(r.prompt.token_ids) for r in batch], uniforms,
+            yield generate_batch(self.runner, [list(r.prompt.token_ids) for r in batch], uniforms,
                                       max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=self.eos_ids,
                                       teacher_topk=teacher_topk)
 
-    def score(self, rows: list[Row], teacher_topk: int) -> Iterator[Completion]:
+    def score(self, rows: list[Row], teacher_topk: int) -> Iterator[list[Completion]]:
         for batch in batches(rows, self.batch_size, self.max_batch_tokens, 0):
             completions = [list(r.completion_ids) for r in batch]
             scored = score_batch(self.runner, [list(r.prompt.token_ids) for r in batch], completions, teacher_topk)
-            for completion, (topk_ids, topk_logprobs) in zip(completions, scored):
-                finish = "eos" if completion and completion[-1] in self.eos_ids else "length"
-                yield Completion(np.asarray(completion, dtype=np.int32), finish, topk_ids, topk_logprobs)
+            yield [Completion(np.asarray(c, dtype=np.int32), "eos" if c and c[-1] in self.eos_ids else "length",
+                              topk_ids, topk_logprobs) for c, (topk_ids, topk_logprobs) in zip(completions, scored)]

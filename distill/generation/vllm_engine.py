@@ -46,8 +46,8 @@ def model_path(target: str) -> str:
 
 
 def llm_kwargs(config: Config, path: str, cpu: bool) -> dict:
-    """vllm.LLM(...) keyword arguments: the generate section's settings, generate.vllm.llm_args, and
-    on CPU the defaults llm_args does not override."""
+    """vllm.LLM(...) keyword arguments: the generate section's settings (generate.dtype resolved by
+    generate-data: fp32 or bf16), generate.vllm.llm_args, and on CPU the defaults llm_args does not override."""
     g, v = config.generate, config.generate.vllm
     ours = {"model": path, "dtype": DTYPES[g.dtype], "seed": config.seed, "max_num_seqs": g.batch_size,
             "tensor_parallel_size": v.tensor_parallel_size, "pipeline_parallel_size": v.pipeline_parallel_size,
@@ -113,7 +113,7 @@ class VllmEngine:
         self.close()
 
     def generate(self, rows: list[Row], sampling: SamplingParams, max_new_tokens: int, teacher_topk: int,
-                 seed: int) -> Iterator[Completion]:
+                 seed: int) -> Iterator[list[Completion]]:
         settings = {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
                     "max_tokens": max_new_tokens, "stop_token_ids": self.eos_ids}
         for start in range(0, len(rows), self.window):
@@ -122,22 +122,24 @@ class VllmEngine:
                 "generate": [{"prompt_ids": list(r.prompt.token_ids),
                               "seed": row_seed(seed, r.prompt.prompt_id, r.sample_index)} for r in window],
                 "sampling": settings, "teacher_topk": teacher_topk})
-            yield from self._completions(reply)
+            yield self._completions(reply)
 
-    def score(self, rows: list[Row], teacher_topk: int) -> Iterator[Completion]:
+    def score(self, rows: list[Row], teacher_topk: int) -> Iterator[list[Completion]]:
         for start in range(0, len(rows), self.window):
             window = rows[start:start + self.window]
             reply = self.worker.ask({
                 "score": [{"prompt_ids": list(r.prompt.token_ids), "completion_ids": list(r.completion_ids)}
                           for r in window],
                 "teacher_topk": teacher_topk})
-            yield from self._completions(reply)
+            yield self._completions(reply)
 
-    def _completions(self, reply: dict) -> Iterator[Completion]:
+    def _completions(self, reply: dict) -> list[Completion]:
+        out = []
         for c in reply["completions"]:
             ids = wire.unpack(c["ids"])
             # As the project engine: 'eos' when the completion ends in an EOS id, the only stop vLLM is given.
             finish = "eos" if len(ids) and int(ids[-1]) in self.eos_ids else "length"
             has_topk = c["topk_ids"] is not None
-            yield Completion(ids, finish, wire.unpack(c["topk_ids"]) if has_topk else None,
-                             wire.unpack(c["topk_logprobs"]) if has_topk else None)
+            out.append(Completion(ids, finish, wire.unpack(c["topk_ids"]) if has_topk else None,
+                                  wire.unpack(c["topk_logprobs"]) if has_topk else None))
+        return out

@@ -9,13 +9,13 @@ from decode.models import resolve_device
 
 
 def make_accelerator(config):
-    """CPU: fp32, gloo under torchrun. GPU: bf16 autocast. DeepSpeed from a JSON whose "auto"
-    entries are filled from the distill config."""
+    """bf16 autocast when distill.precision (resolved: never 'auto' here) is bf16; gloo under torchrun
+    on CPU. DeepSpeed from a JSON whose "auto" entries are filled from the distill config."""
     from accelerate import Accelerator
 
     dc = config.distill
     on_cpu = resolve_device(config.device).type == "cpu"
-    bf16 = dc.precision == "bf16" or (dc.precision == "auto" and not on_cpu)
+    bf16 = dc.precision == "bf16"
     kwargs = {}
     if dc.deepspeed_config:
         from accelerate.utils import DeepSpeedPlugin

@@ -36,6 +36,7 @@ def unrolled_loss(dc, step_logits: list[torch.Tensor], target_logp: torch.Tensor
         if j == 0:
             first = (draft_logp, target_hat)
         # No labels: 'ce' (the one term that reads them) is refused for a feature draft (decode/config.py).
-        part = mixed_loss(dc.loss, draft_logp, target_hat, logits, None, mass, dc.jsd_beta, dc.kd_temperature)
+        part = mixed_loss(dc.loss, draft_logp, target_hat, logits, None, mass, dc.jsd_beta, dc.kd_temperature,
+                          dc.lk_eta)
         total = total + dc.ttt_decay ** j * part
     return total, *first

@@ -13,6 +13,8 @@ from pathlib import Path
 import yaml
 
 from decode.config import ConfigError, config_to_dict
+from decode.models import resolve_device
+from decode.precision import resolve_dtype
 
 # How long the run goes, how often it evaluates/saves, and what it reports: the weights of a step
 # do not depend on them. distill.max_steps also sets where the cosine schedule ends when
@@ -57,7 +59,10 @@ def check_resumable(config, out_dir: Path, checkpoint: Path) -> None:
     if not written.is_file():
         raise ConfigError(f"cannot resume from {checkpoint}: {written} is missing, so the run's settings are "
                           f"unknown; train into a new distill.out_dir")
-    changed = changed_settings(yaml.safe_load(written.read_text()), config_to_dict(config))
+    before = yaml.safe_load(written.read_text())
+    if before.get("distill", {}).get("precision") == "auto":  # written before 'auto' was resolved in the run
+        before["distill"]["precision"] = resolve_dtype("auto", resolve_device(config.device), "distill.precision").name
+    changed = changed_settings(before, config_to_dict(config))
     if changed:
         raise ConfigError(f"cannot resume from {checkpoint} with changed settings (the run was started with "
                           f"{written}):\n  " + "\n  ".join(changed) +
