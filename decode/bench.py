@@ -23,6 +23,7 @@ import json
 import platform
 import statistics
 import sys
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,7 @@ from decode.hf_baselines import full_vocab_view, hf_generate
 from decode.models import (TOKENIZER_FILES, check_tokenizers, load_model, load_tokenizer, param_count,
                            resolve_device)
 from decode.precision import DtypeChoice, machine_class, resolve_decode_dtype
+from decode.progress import expectation
 from decode.prompts import evaluation_split, load_prompt_set, read_split_prompts
 from decode.proposers import Proposer, make_proposer
 from decode.provenance import git_revision
@@ -270,13 +272,18 @@ def measure(s: Setup) -> tuple[list[dict], list[dict], dict[tuple[str, str], lis
     ev = s.cfg.eval
     n_prompts = sum(len(p) for p in s.prompt_sets.values())
     progress = tqdm(total=n_prompts * len(ev.temperatures) * (1 + len(ev.ks) * len(s.proposers)),
-                    desc="eval-speedup", dynamic_ncols=True)
+                    desc="eval-speedup", dynamic_ncols=True, smoothing=0)
+    start = time.perf_counter()
     runs, samples = [], []
     greedy_tokens: dict[tuple[str, str], list[int]] = {}  # target-only greedy output, for the HF checks
     for temperature in ev.temperatures:
         for set_name, prompts in s.prompt_sets.items():
             for prompt in prompts:
                 base = measure_prompt(s, set_name, prompt, temperature, runs, samples, progress)
+                if len(samples) == 1 + len(ev.ks) * len(s.proposers):  # the first prompt's runs
+                    progress.write(expectation("eval-speedup", progress.n, progress.total, time.perf_counter() - start,
+                                               "decoding runs (HF baselines and the cost model follow)"),
+                                   file=sys.stderr)
                 if temperature == 0:
                     greedy_tokens[(set_name, prompt.prompt_id)] = base
     progress.close()
