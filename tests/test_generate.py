@@ -15,13 +15,15 @@ import torch
 from decode import precision
 from decode.config import load_config
 from decode.errors import UserError
-from decode.models import load_model
+from decode.models import load_model, load_tokenizer
+from decode.prompts import chat_token_ids, load_prompt_set
 from decode.progress import BatchProgress
 from decode.runners.batched import LeanBatchedRunner
 from decode.runners.hf import HFBatchedRunner
 from decode.sampling import SamplingParams, sample, sample_rows, warp_probs
 from distill.generation.batched_loop import generate_batch, score_batch
 from distill.generation.engine import Completion
+from distill.generation.pairs import clean_gsm8k
 from distill.generation.plan import PLAN_FILE, ResumeMismatch
 from distill.generation.runner_engine import row_uniforms
 from distill.generation.shards import CorruptShardError, verify_shards
@@ -283,6 +285,54 @@ def test_score_mode_stores_topk_for_text(tmp_path):
     for r in rows:
         assert r["mode"] == "score" and len(r["prompt_ids"]) == 1
         assert len(r["teacher_topk_ids"]) == len(r["completion_ids"]) > 0
+
+
+def test_score_mode_scores_responses_after_the_chat_templated_prompt(tmp_path):
+    """Fixed (prompt, response) pairs: the prompt as generation sees it, the response + EOS as the
+    completion, each response token labelled; bad rows are reported, not fatal."""
+    tokenizer = load_tokenizer("tiny:target")
+    pairs = [{"prompt": f"Question {i}?", "response": f"Answer number {i}."} for i in range(6)]
+    pairs += [{"prompt": "No answer here?"}, {"prompt": "Too long?", "response": "word " * 1200}]
+    source = tmp_path / "pairs.jsonl"
+    source.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    out = tmp_path / "out"
+    manifest = run(config_for(out, "generate.mode=score", f"generate.sources=[{source}]",
+                              "generate.response_field=response"))
+    assert manifest["prompts"]["skipped_by_reason"] == {"empty_response": 1, "response_exceeds_context": 1}
+    rows = sorted(read_rows(out), key=lambda r: r["prompt_ids"])
+    assert len(rows) == 6
+    for r in rows:
+        text = tokenizer.decode(r["prompt_ids"])
+        i = int(text.split("Question ")[1].split("?")[0])
+        assert r["prompt_ids"] == chat_token_ids(tokenizer, f"Question {i}?")
+        assert r["completion_ids"] == tokenizer(f"Answer number {i}.", add_special_tokens=False)["input_ids"] + [
+            tokenizer.eos_token_id]
+        assert r["mode"] == "score" and r["finish_reason"] == "eos"
+        assert len(r["teacher_topk_ids"]) == len(r["completion_ids"])
+
+
+def test_scored_gsm8k_answers_keep_the_questions_split(tmp_path):
+    """A GSM8K question keeps its id and split as a plain prompt, so a held-out question's solution is held out."""
+    out = tmp_path / "out"
+    run(config_for(out, "generate.mode=score", "generate.sources=[gsm8k]", "generate.response_field=answer",
+                   "generate.max_prompts=8", "generate.eval_fraction=0.5"))
+    plain = {p.prompt_id: p.split for p in load_prompt_set("gsm8k", load_tokenizer("tiny:target"), eval_fraction=0.5)}
+    rows = read_rows(out)
+    assert rows and all(plain[r["prompt_id"]] == r["split"] for r in rows) and {r["split"] for r in rows} == {"train", "eval"}
+    assert clean_gsm8k("She makes 9 * 2 = $<<9*2=18>>18 a day.\n#### 18") == "She makes 9 * 2 = $18 a day.\nThe answer is 18."
+
+
+@pytest.mark.parametrize("sources, field, error", [
+    ("[freshqa]", "answer", "'freshqa' has no responses to score"),
+    ("[{file}]", "reply", "no row has the field 'reply'; set generate.response_field"),
+])
+def test_a_source_without_responses_is_one_clear_error(tmp_path, sources, field, error):
+    source = tmp_path / "pairs.jsonl"
+    source.write_text(json.dumps({"prompt": "Hi?", "response": "Hello."}) + "\n")
+    with pytest.raises(UserError, match=error):
+        run(config_for(tmp_path / "out", "generate.mode=score", f"generate.sources={sources.format(file=source)}",
+                       f"generate.response_field={field}"))
+    assert not (tmp_path / "out" / "plan.json").exists()
 
 
 # ----------------------------------------------------------------------------- processes

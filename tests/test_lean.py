@@ -11,7 +11,7 @@ from decode.runners.hf import HFRunner
 from decode.runners.lean import CACHE_CHUNK, LeanRunner
 from decode.runners.llama import lean_supported
 from decode.runners import projection
-from decode.runners.projection import LAYOUTS, Projection
+from decode.runners.projection import LAYOUTS, TIMED_ROWS, Projection, tune_layouts
 from decode.vocab import VocabSubset
 
 ATOL = 1e-4
@@ -64,7 +64,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("layouts", [(few, many) for few in LAYOUTS for many in LAYOUTS])
+@pytest.mark.parametrize("layouts", [(name,) * len(TIMED_ROWS) for name in LAYOUTS] + [("mm", "linear", "packed", "mm")])
 def test_projection_layouts_compute_x_times_w_transposed(layouts, with_bias):
     """Every layout (gemv, w @ x.T, packed oneDNN) gives x @ w.T (+ bias) at every row count."""
     gen = torch.Generator().manual_seed(0)
@@ -81,28 +81,36 @@ def test_projection_layouts_compute_x_times_w_transposed(layouts, with_bias):
 
 
 def test_projection_keeps_the_layout_measured_fastest(monkeypatch):
-    """Each row class takes the layout that timed fastest for its weight shape, measured once per shape."""
-    speed = {(projection.FEW_ROWS, "linear"): 3.0, (projection.FEW_ROWS, "mm"): 2.0,
-             (projection.FEW_ROWS, "packed"): 1.0, (projection.MANY_ROWS, "linear"): 1.0,
-             (projection.MANY_ROWS, "mm"): 2.0, (projection.MANY_ROWS, "packed"): 3.0}
-    timed = []  # (rows, layout) of every timed call
-    real_run = Projection.run
+    """Each timed row count takes the layout that timed fastest over the weights of its shape, measured
+    once per shape, and a forward of M rows uses the first timed count >= M."""
+    fastest = dict(zip(TIMED_ROWS, ("linear", "mm", "packed", "linear")))
+    timed = []  # (rows, layout, projections in the pass) of every timing pass
 
-    def run(self, layout, x):
-        timed.append((x.shape[0], layout))
-        return real_run(self, layout, x)
+    def seconds(group, layout, x):
+        timed.append((x.shape[0], layout, len(group)))
+        return 1.0 if fastest[x.shape[0]] == layout else 2.0
 
-    monkeypatch.setattr(Projection, "run", run)
-    monkeypatch.setattr(projection, "_best_seconds", lambda fn, x: (fn(x), speed[timed[-1]])[1])
+    monkeypatch.setattr(projection, "_seconds_per_pass", seconds)
     monkeypatch.setattr(projection, "_measured", {})
-    w = torch.randn(40, 24)
-    proj = Projection(w, None, cpu_fp32=True)
-    assert (proj.few, proj.many) == ("packed", "linear") and proj.packed is not None
-    assert {layout for _, layout in timed} == set(LAYOUTS)
+    group = [Projection(torch.randn(40, 24), None, cpu_fp32=True) for _ in range(3)]
+    other = Projection(torch.randn(24, 40), None, cpu_fp32=True)
+    assert group[0].tunable and group[0].packed is not None  # F.linear and a packed copy until tuned
+    tune_layouts(group + [other])
+    assert all(p.layouts == ("linear", "mm", "packed", "linear") and p.packed is not None for p in group)
+    assert {(m, layout) for m, layout, n in timed if n == 3} == {(m, l) for m in TIMED_ROWS for l in LAYOUTS}
+    assert {n for _, _, n in timed} == {3, 1}  # one pass times every weight of a shape; another shape apart
     timed.clear()
     again = Projection(torch.randn(40, 24), None, cpu_fp32=True)  # the same shape: measured already
-    assert (again.few, again.many) == ("packed", "linear") and not timed
-    assert (Projection(w, None, cpu_fp32=False).few, Projection(w, None, cpu_fp32=False).many) == ("linear", "linear")
+    tune_layouts([again])
+    assert again.layouts == group[0].layouts and not again.tunable and not timed
+    used = []
+    monkeypatch.setattr(Projection, "run", lambda self, layout, x: used.append((x.shape[0], layout)))
+    for m, layout in ((1, "linear"), (2, "mm"), (3, "mm"), (4, "packed"), (5, "packed"), (6, "linear"), (30, "linear")):
+        again(torch.randn(m, 24))
+        assert used[-1] == (m, layout)
+    assert Projection(torch.randn(40, 24), None, cpu_fp32=False).layouts == ("linear",) * len(TIMED_ROWS)
+    with pytest.raises(ValueError, match="one of"):
+        Projection(torch.randn(40, 24), None, cpu_fp32=True, layouts=("linear", "packed"))
 
 
 @pytest.mark.parametrize("name", MODELS)

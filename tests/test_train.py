@@ -334,6 +334,8 @@ def test_make_distill_smoke(data, tmp_path):
     metrics = json.loads((final / "metrics.json").read_text())
     assert 0 <= metrics["final/alpha"] <= 1 and metrics["final/tau_k4"] >= 1
     assert (out / "wandb_run_id").exists() and (final / "config.yaml").exists()
+    # The tiny config's subset draft spreads its "other" row by default, so it leaves ready for serving engines.
+    assert (out / "export" / "hf" / "export.json").is_file() and "export skipped" not in result.stdout
     draft = AutoModelForCausalLM.from_pretrained(final).eval()
     assert VocabSubset.from_config(draft.config).size == 512
     target = load_model("tiny:target")

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
 from decode.runners.llama import LlamaCore
-from decode.runners.projection import Projection
+from decode.runners.projection import Projection, tune_layouts
 from decode.vocab import VocabSubset
 
 # The cache (and rope table) grows in steps of this many positions instead of reserving
@@ -78,9 +78,9 @@ class RollbackCache:
 class LeanRunner:
     """Batch-1 lean Llama forward over a `RollbackCache` (implements `decode.runners.Runner`).
 
-    On CPU fp32 each weight shape's layouts are timed when the runner is built (runners/projection.py);
-    a projection whose fastest layout is oneDNN's keeps a packed copy of its weight (up to the model's
-    size again, ~0.5 GB for SmolLM2-135M). Build a new runner after changing the model's weights."""
+    On CPU fp32 each weight shape's layouts are timed when the runner is built (runners/projection.py,
+    once per process: ~2 s for SmolLM2-135M); a projection whose fastest layout is oneDNN's keeps a
+    packed copy of its weight (up to the model's size again, ~0.5 GB for SmolLM2-135M). Build a new runner after changing the model's weights."""
 
     def __init__(self, model: LlamaForCausalLM, vocab_size: int, hidden_layers: Sequence[int] = ()):
         self.vocab_size = vocab_size
@@ -94,6 +94,7 @@ class LeanRunner:
         # shared vocabulary (embedding rows padded beyond it are never scored).
         head_rows = self.subset.head_rows if self.subset is not None else vocab_size
         self.core = LlamaCore(model, head_rows, lambda w, bias: Projection(w, bias, cpu_fp32))
+        tune_layouts(self.core.projections())
         n_layers = len(self.core.layers)
         if any(not 0 <= i < n_layers for i in self.hidden_layers):
             raise ValueError(f"hidden_layers {self.hidden_layers} outside the model's {n_layers} layers")

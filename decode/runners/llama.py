@@ -146,6 +146,10 @@ class LlamaCore:
             down=project(m.down_proj.weight, m.down_proj.bias),
         )
 
+    def projections(self) -> list[Project]:
+        """Every projection, in the order a forward runs them (the output head last)."""
+        return [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.head]
+
     def rope_table(self, capacity: int) -> RotaryTable:
         return RotaryTable(self.inv_freq, capacity, self.dtype)
 

@@ -7,6 +7,8 @@ Both are called as projection(x) = x @ w.T (+ bias) on x [..., in]:
 
 from __future__ import annotations
 
+import bisect
+import statistics
 import time
 
 import torch
@@ -17,69 +19,92 @@ import torch.nn.functional as F
 #                         M = 1    2    3    5    9   12
 #   torch.mm(w, x.T) (MKL)   30   31   50   61  111  146
 #   oneDNN, packed weights   38   49   32   30   41   46
-# On a Sapphire Rapids class Xeon (AVX-512 FP16/AMX) the packed path was a third faster than that
-# CPU's choice for a few rows too, and a small draft's layers run fastest as plain gemv (F.linear).
-# No one rule holds on every CPU, so each weight shape times its layouts once per process, when a
-# runner is built (`choose_layouts`: ~0.1 s for SmolLM2-135M's seven shapes), and keeps the fastest
-# for few rows (timed at FEW_ROWS, used up to FEW_MAX_ROWS) and for more (timed at MANY_ROWS).
+# On a 2-core Sapphire Rapids class Xeon (AVX-512 BF16 + AMX, 2 threads) the same layouts rank
+# otherwise: per call of the 960x576 qkv weight, F.linear 33/23/26/106 us at M = 1/2/3/5, w @ x.T
+# 131/127/126/134, packed 76/78/84/85; the 49152x576 head 3.7 ms with F.linear at M = 1 against 15.0
+# with w @ x.T, and packed fastest from M = 3. The AMD's rule cost that Xeon a 92 ms target step
+# instead of 46. No one rule holds on every CPU, so `tune_layouts` times them once per process and
+# weight shape, when a runner is built, at each of TIMED_ROWS, over every weight of that shape in turn
+# (as a forward streams them from memory: one weight timed alone stays in cache and ranks the layouts
+# otherwise), and a forward of M rows takes the layout timed fastest at the first timed count >= M
+# (the last one beyond it).
 LAYOUTS = ("linear", "mm", "packed")
 """F.linear; torch.mm(w, x.T) with one row duplicated into two; oneDNN on weights packed once."""
-FEW_ROWS, MANY_ROWS = 1, 5
-FEW_MAX_ROWS = 2
-TIMING_REPEATS = 3
-_measured: dict[tuple, tuple[str, str]] = {}
+TIMED_ROWS = (1, 3, 5, 9)
+SAMPLES = 5
+"""Each layout's time is the median of this many passes over the shape's weights."""
+_measured: dict[tuple, tuple[str, ...]] = {}
 
 
 def _packed_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def _best_seconds(fn, x: torch.Tensor) -> float:
-    """The fastest of TIMING_REPEATS calls after one warm-up."""
-    fn(x)
-    times = []
-    for _ in range(TIMING_REPEATS):
+def _seconds_per_pass(group: list[Projection], layout: str, x: torch.Tensor) -> float:
+    """Median seconds of one call per projection of `group` through `layout`, after a warm-up pass."""
+    samples = []
+    for i in range(SAMPLES + 1):
         start = time.perf_counter()
-        fn(x)
-        times.append(time.perf_counter() - start)
-    return min(times)
+        for projection in group:
+            projection.run(layout, x)
+        if i:
+            samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def tune_layouts(projections: list[Projection]) -> None:
+    """Give each projection without given layouts its shape's fastest layout per TIMED_ROWS, timed here
+    over all projections of that shape (once per process, shape and thread count); unused packed copies
+    are dropped. About 2 s for SmolLM2-135M on 2 cores."""
+    groups: dict[tuple, list[Projection]] = {}
+    for projection in projections:
+        if projection.tunable:
+            groups.setdefault(projection.key, []).append(projection)
+    for key, group in groups.items():
+        if key not in _measured:
+            gen = torch.Generator().manual_seed(0)
+            candidates = [name for name in LAYOUTS if name != "packed" or group[0].packed is not None]
+            chosen = []
+            for m in TIMED_ROWS:
+                x = torch.randn(m, group[0].w.shape[1], generator=gen, dtype=group[0].w.dtype)
+                chosen.append(min(candidates, key=lambda name: _seconds_per_pass(group, name, x)))
+            _measured[key] = tuple(chosen)
+        for projection in group:
+            projection.set_layouts(_measured[key])
 
 
 class Projection:
     """One weight w [out, in] (and bias [out]) in the layout each row count runs fastest in.
 
-    Only CPU fp32 has a choice of layouts (measured per weight shape, or given as (few, many));
-    elsewhere this is F.linear. A packed copy (doubling this weight's memory) is kept only where a
-    packed layout won."""
+    Only CPU fp32 has a choice of layouts: given (one per TIMED_ROWS), or measured by `tune_layouts`
+    (until then F.linear); elsewhere this is F.linear. A packed copy (doubling this weight's memory)
+    is kept only where a packed layout is used."""
 
     def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, cpu_fp32: bool,
-                 layouts: tuple[str, str] | None = None):
+                 layouts: tuple[str, ...] | None = None):
         self.w, self.bias = w, bias
-        key = (tuple(w.shape), bias is not None, torch.get_num_threads())
-        layouts = ("linear", "linear") if not cpu_fp32 else layouts or _measured.get(key)
+        self.key = (tuple(w.shape), bias is not None, torch.get_num_threads())
+        layouts = ("linear",) * len(TIMED_ROWS) if not cpu_fp32 else layouts or _measured.get(self.key)
         want_packed = cpu_fp32 and _packed_available() and (layouts is None or "packed" in layouts)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 8) if want_packed else None
-        if layouts is None:
-            layouts = _measured[key] = self.choose_layouts()
+        if layouts is None:  # F.linear until tune_layouts measures this shape
+            self.layouts, self.tunable = ("linear",) * len(TIMED_ROWS), True
+        else:
+            self.set_layouts(layouts)
+
+    def set_layouts(self, layouts: tuple[str, ...]) -> None:
+        """Use `layouts` (one of LAYOUTS per TIMED_ROWS) from now on."""
+        if len(layouts) != len(TIMED_ROWS) or not set(layouts) <= set(LAYOUTS):
+            raise ValueError(f"layouts {layouts}: one of {LAYOUTS} for each of TIMED_ROWS {TIMED_ROWS}")
         if "packed" in layouts and self.packed is None:
             raise ValueError("the packed layout needs oneDNN (torch.backends.mkldnn) and a CPU fp32 weight")
-        self.few, self.many = layouts
+        self.layouts, self.tunable = tuple(layouts), False
         if "packed" not in layouts:
             self.packed = None
 
-    def choose_layouts(self) -> tuple[str, str]:
-        """(fastest layout at FEW_ROWS, fastest at MANY_ROWS) of this weight, timed here and now."""
-        gen = torch.Generator().manual_seed(0)
-        candidates = [name for name in LAYOUTS if name != "packed" or self.packed is not None]
-        chosen = []
-        for m in (FEW_ROWS, MANY_ROWS):
-            x = torch.randn(m, self.w.shape[1], generator=gen, dtype=self.w.dtype)
-            chosen.append(min(candidates, key=lambda name: _best_seconds(lambda v: self.run(name, v), x)))
-        return chosen[0], chosen[1]
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, in] -> contiguous [M, out]."""
-        return self.run(self.few if x.shape[0] <= FEW_MAX_ROWS else self.many, x)
+        return self.run(self.layouts[min(bisect.bisect_left(TIMED_ROWS, x.shape[0]), len(TIMED_ROWS) - 1)], x)
 
     def run(self, layout: str, x: torch.Tensor) -> torch.Tensor:
         """x [M, in] -> contiguous [M, out] through one layout."""

@@ -20,6 +20,7 @@ from decode.config import Config, ConfigError
 from decode.errors import UserError
 from decode.models import model_hash
 from decode.prompts import Prompt, PromptSet, build_prompt_set, chat_template_hash, tokenizer_hash
+from distill.generation.pairs import response_rows, responses_by_prompt
 
 PLAN_FILE = "plan.json"
 
@@ -33,18 +34,24 @@ class Row:
 
 
 def plan_rows(config: Config, tokenizer, context_length: int | None) -> tuple[PromptSet, list[Row]]:
-    """Prompts -> (prompt set, rows). Score mode scores the raw text: token 0 is the context.
+    """Prompts -> (prompt set, rows). Score mode scores the raw text (token 0 is the context), or with
+    generate.response_field each chat-templated prompt's response (distill/generation/pairs.py).
 
     Raises ConfigError when no row is left (an empty source, a text_field no record has): a run
     must never finish "complete" with 0 rows."""
     g = config.generate
     score = g.mode == "score"
+    pairs = score and g.response_field is not None
     prompt_set = build_prompt_set(
         g.sources, tokenizer, text_field=g.text_field, system_prompt=g.system_prompt,
         max_prompt_tokens=g.max_prompt_tokens, max_new_tokens=0 if score else g.max_new_tokens,
         context_length=context_length, eval_fraction=g.eval_fraction, max_prompts=g.max_prompts,
-        chat_template=not score)
-    if score:
+        chat_template=pairs or not score)
+    if pairs:
+        responses = responses_by_prompt(g.sources, g.text_field, g.response_field)
+        rows = [Row(p, 0, ids) for p, ids in response_rows(prompt_set, responses, tokenizer, tokenizer.eos_token_id,
+                                                         context_length)]
+    elif score:
         rows = [Row(dataclasses.replace(p, token_ids=p.token_ids[:1]), 0, p.token_ids[1:])
                 for p in prompt_set.prompts if len(p.token_ids) >= 2]
     else:
@@ -91,7 +98,8 @@ def fingerprint(config: Config, tokenizer, shards: list[list[Row]], engine: str,
         "temperature": g.temperature, "top_p": g.top_p, "top_k": g.top_k,
         "max_new_tokens": g.max_new_tokens, "samples_per_prompt": g.samples_per_prompt,
         "teacher_topk": g.teacher_topk, "dtype": g.dtype, "system_prompt": g.system_prompt,
-        "sources": g.sources, "text_field": g.text_field, "max_prompts": g.max_prompts,
+        "sources": g.sources, "text_field": g.text_field, "response_field": g.response_field,
+        "max_prompts": g.max_prompts,
         "max_prompt_tokens": g.max_prompt_tokens, "eval_fraction": g.eval_fraction, "shard_size": g.shard_size,
         "num_shards": len(shards), "plan_hash": plan_hash(shards),
     }
