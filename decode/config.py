@@ -569,17 +569,29 @@ def parse_overrides(overrides: list[str]) -> dict:
         for part in parts[:-1]:
             node = node.setdefault(part, {})
         try:
-            node[parts[-1]] = yaml.safe_load(raw) if raw != "" else None
+            value = yaml.safe_load(raw) if raw != "" else None
         except yaml.YAMLError as e:
             raise ConfigError(f"override {item!r}: the value is not valid YAML ({_yaml_reason(e)})") from e
+        node[parts[-1]] = _WholeMapping(value) if isinstance(value, dict) else value
     return tree
 
 
-def _merge(base: dict, extra: dict) -> dict:
+class _WholeMapping(dict):
+    """A mapping given whole as an override's value (`distill.loss={tvd: 1.0}`): it replaces the
+    setting instead of merging into it."""
+
+
+def _merge(base: dict, extra: dict, cls=None) -> dict:
+    """base updated by extra, key by key into sections and mappings (`generate.vllm.llm_args.x=1` adds
+    one argument), except a mapping-valued setting given whole, which replaces (`distill.loss={tvd: 1.0}`
+    is TVD alone, not TVD added to the preset's forward KL). `cls`: the dataclass base and extra fill."""
+    hints = typing.get_type_hints(cls) if cls is not None else {}
     out = dict(base)
     for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
+        section = hints.get(key) if dataclasses.is_dataclass(hints.get(key)) else None
+        whole = isinstance(value, _WholeMapping) and section is None
+        if isinstance(value, dict) and not whole and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value, section)
         else:
             out[key] = value
     return out
@@ -592,7 +604,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     data: dict = {}
     if path is not None:
         data = _read_yaml(Path(path))
-    data = _merge(data, parse_overrides(overrides or []))
+    data = _merge(data, parse_overrides(overrides or []), Config)
     config = _build(Config, data, "")
     config.validate()
     return config

@@ -44,6 +44,15 @@ def test_overrides_are_typed_and_nested():
     assert isinstance(cfg.generate.temperature, float)
 
 
+def test_a_mapping_given_whole_replaces_a_setting_and_merges_into_a_section():
+    preset = ROOT / "configs/smollm2.yaml"  # distill.loss: {forward_kl: 1.0}
+    assert load_config(preset, ["distill.loss={tvd: 1.0}"]).distill.loss == {"tvd": 1.0}
+    assert load_config(preset, ["distill.loss.tvd=0.5"]).distill.loss == {"forward_kl": 1.0, "tvd": 0.5}
+    cfg = load_config(preset, ["generate.vllm.llm_args={a: 1}", "generate.vllm.llm_args.b=2", "distill={lr: 0.01}"])
+    assert cfg.generate.vllm.llm_args == {"a": 1, "b": 2}
+    assert cfg.distill.lr == 0.01 and cfg.distill.max_steps == 540  # a section given whole still merges
+
+
 def test_unknown_key_suggests_the_closest():
     with pytest.raises(ConfigError, match=r"unknown config key 'eval.temperature'.*did you mean 'temperatures'"):
         load_config(TINY, ["eval.temperature=[0.5]"])
