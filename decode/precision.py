@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import os
 import platform
-import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -177,8 +176,3 @@ def machine_class(device: str | torch.device = "cpu") -> str:
         return torch.cuda.get_device_name(device)
     return f"{cpu_name()} ({isa_class()}), {os.cpu_count()} cores, {torch.get_num_threads()} threads"
 
-
-def announce(choice: DtypeChoice) -> DtypeChoice:
-    """Print the choice once, on stderr (entry points call it where they resolve)."""
-    print(choice.line, file=sys.stderr)
-    return choice
