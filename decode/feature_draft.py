@@ -271,21 +271,24 @@ class FeatureDraftCache:
         self.length = length
 
     @torch.no_grad()
-    def forward(self, hidden: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor | None = None,
+                visible: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden, embeds [n, hidden] into slots length..length+n-1 -> output hidden states [n, hidden].
+        By default slot = position and causal; a draft tree (decode/tree_proposers.py) gives each row's
+        rotary position [n] and the slots it attends, visible [n, length + n]."""
         n, start = hidden.shape[0], self.length
         if start + n > self.capacity:
             raise ValueError(f"position {start + n - 1} is beyond the draft's context of {self.capacity}")
         m = self.model
-        cos, sin = self.rope.at(slice(start, start + n))
+        cos, sin = self.rope.at(slice(start, start + n) if positions is None else positions)
         q, k, v = m.qkv(hidden, embeds, cos, sin)  # [n, H, D], [n, KV, D]
         self.keys[start : start + n] = m.expand_kv(k)
         self.values[start : start + n] = m.expand_kv(v)
         self.length = start + n
         keys, values = self.keys[: self.length].transpose(0, 1), self.values[: self.length].transpose(0, 1)
         # Query t (position start + t) sees every cached position up to its own (one query: all of them).
-        visible = None
-        if n > 1:
-            positions = torch.arange(self.length, device=q.device)
-            visible = positions[None, :] <= positions[start : start + n, None]  # [n, length]
+        if visible is None and n > 1:
+            slots = torch.arange(self.length, device=q.device)
+            visible = slots[None, :] <= slots[start : start + n, None]  # [n, length]
         attn = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=visible)  # [H, n, D]
         return m.finish(hidden, attn.transpose(0, 1).flatten(-2))

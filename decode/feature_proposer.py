@@ -67,7 +67,7 @@ class FeatureProposer:
         assert rows is not None and rows.shape[0] >= count, (None if rows is None else rows.shape, count)
         self.pending.append(rows[:count])
 
-    def _embed(self, token_ids: list[int]) -> torch.Tensor:
+    def embed(self, token_ids: list[int]) -> torch.Tensor:
         """The target's input embeddings [n, hidden] of token_ids, in the draft's dtype."""
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.embeddings.device)
         return self.embeddings[ids].to(self.draft.fc.weight.dtype)
@@ -78,6 +78,21 @@ class FeatureProposer:
         """The token after `context` (committed + proposed so far) and the distribution [N] over the head's
         rows it was drawn from (None at temperature 0: the argmax). None with no position to draft from
         (a one-token prompt before the target's first forward)."""
+        out = self.out_before(context)
+        if out is None:
+            return None
+        logits = self.draft.logits(out)  # [N] fp32
+        if sampling.greedy:
+            row, probs = int(logits.argmax()), None
+        else:
+            probs = sampling.warp(logits)
+            row = int(sample(probs, generator))
+        return self.row_ids[row], probs
+
+    @torch.no_grad()
+    def out_before(self, context: list[int]) -> torch.Tensor | None:
+        """The draft's output [hidden] whose logits predict the token after `context`, after reading every
+        verified position not read yet; None with no position to draft from."""
         verified_end = self.verified + sum(rows.shape[0] for rows in self.pending)
         assert verified_end == self.target_runner.length, (verified_end, self.target_runner.length)
         last = len(context) - 2  # the draft position whose output predicts the next token
@@ -85,22 +100,16 @@ class FeatureProposer:
             return None
         if self.pending:  # catch up: every verified position not read yet, in one forward
             hidden = self.draft.fuse(torch.cat(self.pending))  # [m, hidden]
-            out = self.cache.forward(hidden, self._embed(context[self.verified + 1 : verified_end + 1]))
+            out = self.cache.forward(hidden, self.embed(context[self.verified + 1 : verified_end + 1]))
             self.verified, self.pending, self.last_out = verified_end, [], out[-1]
             self.forwards += 1
         while self.cache.length <= last:  # on the draft's own outputs, one position per forward
             position = self.cache.length
             assert self.last_out is not None
-            out = self.cache.forward(self.last_out[None], self._embed(context[position + 1 : position + 2]))
+            out = self.cache.forward(self.last_out[None], self.embed(context[position + 1 : position + 2]))
             self.last_out = out[0]
             self.forwards += 1
-        logits = self.draft.logits(self.last_out)  # [N] fp32
-        if sampling.greedy:
-            row, probs = int(logits.argmax()), None
-        else:
-            probs = sampling.warp(logits)
-            row = int(sample(probs, generator))
-        return self.row_ids[row], probs
+        return self.last_out
 
     def propose(self, committed: list[int], k: int, sampling: SamplingParams,
                 generator: torch.Generator | None) -> Proposal:

@@ -100,9 +100,9 @@ class DraftProposer:
     def reset(self, prompt_ids: list[int]) -> None:
         self.runner.reset()
         if len(prompt_ids) > 1:  # all but the last prompt token; the first proposal feeds that one
-            self.runner.forward(self._readable(prompt_ids[:-1]), 1)
+            self.runner.forward(self.readable(prompt_ids[:-1]), 1)
 
-    def _readable(self, token_ids: list[int]) -> torch.Tensor:
+    def readable(self, token_ids: list[int]) -> torch.Tensor:
         """token_ids as the draft's input [n]. A draft with fewer rows than the target reads the target's
         other ids as its last row: what the draft reads changes its proposals, never the accept rule's
         exactness."""
@@ -117,7 +117,7 @@ class DraftProposer:
         vocabulary when draft_ids is None) it was drawn from (None at temperature 0: the argmax).
         Feeds every token of `context` the cache has not seen: drafted ones, and committed ones (more
         than one after a block proposed by lookup alone)."""
-        ids = self._readable(context[self.runner.length:])
+        ids = self.readable(context[self.runner.length:])
         logits = self.runner.forward(ids, 1, full_vocab=self.draft_ids is None)[0]  # [N] or [V]
         self.forwards += 1
         if sampling.greedy:

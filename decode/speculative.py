@@ -64,33 +64,43 @@ def verify_block(drafted: list[int], draft_probs: list[torch.Tensor | None], tar
     emitted: list[int] = []
     for i, token in enumerate(drafted):
         proposal = draft_probs[i]
-        if proposal is None:
-            draft_prob = 1.0
-        else:
-            draft_prob = proposal[token] if draft_ids is None else proposal[draft_ids == token].sum()
-        # Accept with probability min(1, target/draft). draft_prob > 0: the token was sampled from it.
-        accept_prob = min(1.0, float(target_probs[i, token] / draft_prob))
+        # Accept with probability min(1, target/draft). The draft's probability > 0: the token was sampled from it.
+        accept_prob = min(1.0, float(target_probs[i, token]) / draft_prob(proposal, token, draft_ids))
         if float(torch.rand((), generator=generator, device=rng_device)) < accept_prob:
             emitted.append(token)
             continue
         # Rejected: resample from the part of the target the draft under-covers.
-        # residual.sum() == 0 only when target_probs == draft_probs, where rejection cannot happen.
-        if proposal is None:  # max(0, target - one-hot(token)): the target without `token`
-            residual = target_probs[i].clone()
-            residual[token] = 0.0
-        else:
-            vocab_size = target_probs.shape[-1]
-            if draft_ids is not None:
-                draft_full = target_probs.new_zeros(vocab_size).index_copy_(0, draft_ids, proposal)
-            elif proposal.shape[-1] < vocab_size:  # a draft with fewer rows: probability 0 above them
-                draft_full = F.pad(proposal, (0, vocab_size - proposal.shape[-1]))
-            else:
-                draft_full = proposal
-            residual = torch.clamp(target_probs[i] - draft_full, min=0.0)
-        emitted.append(int(sample(residual / residual.sum(), generator)))
+        emitted.append(int(sample(residual(target_probs[i], proposal, token, draft_ids), generator)))
         return emitted, i
     emitted.append(int(sample(target_probs[len(drafted)], generator)))  # all accepted: bonus token
     return emitted, len(drafted)
+
+
+def draft_prob(proposal: torch.Tensor | None, token: int, draft_ids: torch.Tensor | None) -> float:
+    """The probability `proposal` ([N] over the draft's rows, as in verify_block; None: a one-hot)
+    gave `token`."""
+    if proposal is None:
+        return 1.0
+    return float(proposal[token] if draft_ids is None else proposal[draft_ids == token].sum())
+
+
+def residual(target_row: torch.Tensor, proposal: torch.Tensor | None, token: int,
+             draft_ids: torch.Tensor | None) -> torch.Tensor:
+    """norm(max(0, target - draft)) [V]: what to sample after the draft's `token` was rejected.
+    Its sum is 0 only when target == draft, where rejection cannot happen."""
+    if proposal is None:  # max(0, target - one-hot(token)): the target without `token`
+        left = target_row.clone()
+        left[token] = 0.0
+    else:
+        vocab_size = target_row.shape[-1]
+        if draft_ids is not None:
+            draft_full = target_row.new_zeros(vocab_size).index_copy_(0, draft_ids, proposal)
+        elif proposal.shape[-1] < vocab_size:  # a draft with fewer rows: probability 0 above them
+            draft_full = F.pad(proposal, (0, vocab_size - proposal.shape[-1]))
+        else:
+            draft_full = proposal
+        left = torch.clamp(target_row - draft_full, min=0.0)
+    return left / left.sum()
 
 
 def verify_greedy(drafted: list[int], target_logits: torch.Tensor) -> tuple[list[int], int]:
@@ -112,7 +122,7 @@ def target_decode(target_runner: Runner, input_ids: torch.Tensor, *, max_new_tok
     committed = prompt_ids(input_ids, target_runner.vocab_size)
     check_int("max_new_tokens", max_new_tokens, 1)
     check_context(len(committed), max_new_tokens, [target_runner.max_length])
-    eos = _eos_set(eos_token_id)
+    eos = eos_set(eos_token_id)
     target_runner.reset()
     new: list[int] = []
     while len(new) < max_new_tokens:
@@ -141,7 +151,7 @@ def speculative_decode(target_runner: Runner, proposer: Proposer, input_ids: tor
     check_int("k", k, 1)
     check_int("max_new_tokens", max_new_tokens, 1)
     check_context(len(committed), max_new_tokens, [target_runner.max_length, proposer.max_length])
-    prompt_len, eos = len(committed), _eos_set(eos_token_id)
+    prompt_len, eos = len(committed), eos_set(eos_token_id)
     target_runner.reset()
     if prompt_len > 1:  # all but the last prompt token; the first verify forward feeds that one
         _feed(target_runner, committed[:-1], [], 1)
@@ -152,7 +162,7 @@ def speculative_decode(target_runner: Runner, proposer: Proposer, input_ids: tor
         # A block emits up to one token more than it proposes.
         proposal = proposer.propose(committed, min(k, remaining - 1), sampling, generator)
         emitted, accepted = _verify(target_runner, committed, proposal, sampling, generator)
-        emitted, hit_eos = _cut_at_eos(emitted, eos)
+        emitted, hit_eos = cut_at_eos(emitted, eos)
         committed.extend(emitted)
         _record(stats, proposal, accepted, emitted)
         # Roll back to "everything committed but the last token".
@@ -194,13 +204,13 @@ def _feed(runner: Runner, committed: list[int], extra: list[int], num_logits: in
     return runner.forward(ids, num_logits)
 
 
-def _eos_set(eos_token_id: int | list[int] | None) -> set[int]:
+def eos_set(eos_token_id: int | list[int] | None) -> set[int]:
     if eos_token_id is None:
         return set()
     return {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
 
 
-def _cut_at_eos(tokens: list[int], eos: set[int]) -> tuple[list[int], bool]:
+def cut_at_eos(tokens: list[int], eos: set[int]) -> tuple[list[int], bool]:
     for i, t in enumerate(tokens):
         if t in eos:
             return tokens[: i + 1], True

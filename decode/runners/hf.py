@@ -35,7 +35,7 @@ class HFRunner:
 
     def reset(self) -> None:
         self.cache = DynamicCache()
-        self.length = 0
+        self.length = self.forward_start = 0
 
     def rollback(self, length: int) -> None:
         """Drop cached positions >= length (transformers 5: crop takes a negative count)."""
@@ -48,10 +48,39 @@ class HFRunner:
     def forward(self, ids: torch.Tensor, num_logits: int = 1, full_vocab: bool = True) -> torch.Tensor:
         """Feed ids [n] at positions length..length+n-1; return logits [num_logits, vocab_size]
         (full_vocab=False: [num_logits, N] over a subset draft's rows)."""
+        return self._run(ids, num_logits, full_vocab)
+
+    @torch.inference_mode()
+    def forward_masked(self, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
+                       num_logits: int, full_vocab: bool = True) -> torch.Tensor:
+        """As LeanRunner.forward_masked: ids [m] at rotary `positions` [m], row i attending the cached and
+        new positions where visible [m, length + m] is True (passed to the model as a 4D mask)."""
+        m = ids.shape[0]
+        assert visible.shape == (m, self.length + m), (tuple(visible.shape), m, self.length)
+        dtype = next(self.model.parameters()).dtype
+        mask = torch.zeros(visible.shape, dtype=dtype, device=self.device)
+        mask.masked_fill_(~visible.to(self.device), torch.finfo(dtype).min)  # additive: 0 = attend
+        return self._run(ids, num_logits, full_vocab, mask[None, None], positions[None].to(self.device))
+
+    @torch.inference_mode()
+    def keep(self, length: int, slots: list[int]) -> None:
+        """As LeanRunner.keep: positions before `length`, then the cached `slots` moved right after them."""
+        assert self.forward_start <= length <= self.length and all(length <= s < self.length for s in slots)
+        index = torch.tensor(list(range(length)) + list(slots), device=self.device)
+        for layer in self.cache.layers:  # keys and values [1, KV, length, D]
+            layer.keys, layer.values = layer.keys[:, :, index], layer.values[:, :, index]
+        if self.hidden_states is not None:
+            rows = list(range(length - self.forward_start)) + [s - self.forward_start for s in slots]
+            self.hidden_states = self.hidden_states[rows]
+        self.length = length + len(slots)
+
+    def _run(self, ids: torch.Tensor, num_logits: int, full_vocab: bool, mask: torch.Tensor | None = None,
+             positions: torch.Tensor | None = None) -> torch.Tensor:
         ids = ids.to(self.device)
         rows = ids if self.subset is None else self.subset.rows(ids)
         out = self.model(input_ids=rows[None], cache=self.cache, use_cache=True, logits_to_keep=num_logits,
-                         output_hidden_states=bool(self.hidden_layers))
+                         output_hidden_states=bool(self.hidden_layers), attention_mask=mask, position_ids=positions)
+        self.forward_start = self.length
         self.length += ids.shape[0]
         if self.hidden_layers:
             # hidden_states[0] is the embedding output, [i + 1] layer i's (the last one after the final norm).

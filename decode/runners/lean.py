@@ -108,7 +108,7 @@ class LeanRunner:
         return self.cache.capacity
 
     def reset(self) -> None:
-        self.length = 0
+        self.length = self.forward_start = 0
 
     def rollback(self, length: int) -> None:
         """Drop cached positions >= length: stale entries are overwritten before they are read."""
@@ -138,8 +138,40 @@ class LeanRunner:
         if m > 1:
             mask = torch.ones(m, end, dtype=torch.bool, device=self.device).tril(start).repeat(self.group, 1)
         x = self._decoder_layers(rows, slice(start, end), (slice(start, end), end, mask))
-        self.length = end
+        self.length, self.forward_start = end, start
         return self.to_vocab(self.core.logits(self.core.norm(x[-num_logits:])), full_vocab)
+
+    @torch.inference_mode()
+    def forward_masked(self, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
+                       num_logits: int, full_vocab: bool = True) -> torch.Tensor:
+        """Feed ids [m] into slots length..length+m-1 at rotary `positions` [m], row i attending the slots
+        where visible [m, length + m] is True (a draft tree, decode/tree.py); return fp32 logits
+        [num_logits, vocab_size] of the last num_logits rows (full_vocab as `forward`)."""
+        ids = ids.to(self.device)
+        rows = ids if self.subset is None else self.subset.rows(ids)
+        m, start = rows.shape[0], self.length
+        end = start + m
+        assert visible.shape == (m, end) and 1 <= num_logits <= m, (tuple(visible.shape), m, end, num_logits)
+        self.reserve(end)
+        mask = visible.to(self.device).repeat(self.group, 1)
+        x = self._decoder_layers(rows, positions.to(self.device), (slice(start, end), end, mask))
+        self.length, self.forward_start = end, start
+        return self.to_vocab(self.core.logits(self.core.norm(x[-num_logits:])), full_vocab)
+
+    @torch.inference_mode()
+    def keep(self, length: int, slots: list[int]) -> None:
+        """Keep the cached positions before `length`, then the slots `slots` (increasing, each >= length;
+        a tree's accepted path) moved to length, length + 1, ...; the last forward's hidden states are
+        reindexed the same way."""
+        assert self.forward_start <= length <= self.length and all(length <= s < self.length for s in slots)
+        if slots:
+            index = torch.tensor(slots, device=self.device)
+            for store in (self.cache.keys, self.cache.values):  # [layers, KV, capacity, D]
+                store[:, :, length : length + len(slots)] = store[:, :, index]
+        if self.hidden_states is not None:
+            rows = list(range(length - self.forward_start)) + [s - self.forward_start for s in slots]
+            self.hidden_states = self.hidden_states[rows]
+        self.length = length + len(slots)
 
     def forward_at(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The forward with fixed shapes and addresses that a CUDA graph captures: embedding rows [M] at

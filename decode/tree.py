@@ -1,0 +1,188 @@
+"""Draft trees: several candidate continuations verified in one target forward.
+
+A tree's nodes are proposed tokens; node i's parent is an earlier node or -1, the root (the last
+committed token). The target reads the root and every node in one forward: node i sits at the
+position of its depth and attends the committed text, its ancestors and itself (`tree_window`),
+so each node's logits are those a chain ending in that node would give.
+
+Shapes (`parse_tree`), written in eval.trees:
+  "4x2x1x1"                         static: every node at depth d has b_d children (the draft's top b_d)
+  "dynamic:depth=6,branch=4,nodes=24"
+                                    EAGLE-2 (arXiv 2406.16858): at each depth expand the `branch`
+                                    nodes of highest cumulative draft probability, `branch` children
+                                    each; keep the `nodes` most probable nodes of all of them
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from decode.errors import UserError
+
+MAX_TREE_NODES = 64
+"""Nodes one target forward verifies at most: the cost model measures r(n) up to this many; on the
+CPUs measured, a forward over 64 rows costs several one-token steps, past any useful tree."""
+
+
+class TreeShapeError(UserError):
+    """A tree shape that cannot be drafted or verified."""
+
+
+@dataclass(frozen=True)
+class StaticTree:
+    branching: tuple[int, ...]
+    """Children of every node at depth d (the root is depth 0)."""
+
+    @property
+    def depth(self) -> int:
+        return len(self.branching)
+
+    @property
+    def nodes(self) -> int:
+        return sum(math.prod(self.branching[: d + 1]) for d in range(self.depth))
+
+    @property
+    def label(self) -> str:
+        return "x".join(map(str, self.branching))
+
+
+@dataclass(frozen=True)
+class DynamicTree:
+    depth: int
+    """Draft forwards per tree; the deepest node is at this depth."""
+    branch: int
+    """Nodes expanded per depth, and children per expanded node."""
+    nodes: int
+    """Nodes kept (the most probable by cumulative draft probability)."""
+
+    @property
+    def label(self) -> str:
+        return f"dynamic:depth={self.depth},branch={self.branch},nodes={self.nodes}"
+
+
+TreeShape = StaticTree | DynamicTree
+
+
+def parse_tree(spec: str) -> TreeShape:
+    """'4x2x1x1' or 'dynamic:depth=6,branch=4,nodes=24' -> a shape; a TreeShapeError says what is wrong."""
+    text = str(spec).strip()
+    if text.startswith("dynamic:"):
+        return _parse_dynamic(text)
+    parts = text.split("x")
+    if not text or not all(p.strip().isdigit() for p in parts):
+        raise TreeShapeError(f"tree {spec!r}: write children per depth as '4x2x1' or "
+                             "'dynamic:depth=6,branch=4,nodes=24'")
+    branching = tuple(int(p) for p in parts)
+    if min(branching) < 1:
+        raise TreeShapeError(f"tree {spec!r}: every depth needs at least one child per node")
+    shape = StaticTree(branching)
+    _check_nodes(spec, shape.nodes)
+    return shape
+
+
+def _parse_dynamic(text: str) -> DynamicTree:
+    values = {}
+    for item in text[len("dynamic:"):].split(","):
+        key, _, value = item.partition("=")
+        if key.strip() not in ("depth", "branch", "nodes") or not value.strip().isdigit():
+            raise TreeShapeError(f"tree {text!r}: write 'dynamic:depth=D,branch=B,nodes=N' with integers")
+        values[key.strip()] = int(value)
+    if set(values) != {"depth", "branch", "nodes"}:
+        raise TreeShapeError(f"tree {text!r}: give depth, branch and nodes")
+    for key, value in values.items():
+        if value < 1:
+            raise TreeShapeError(f"tree {text!r}: {key} must be >= 1 (a node budget of 0 verifies nothing)")
+    _check_nodes(text, values["nodes"])
+    return DynamicTree(**values)
+
+
+def _check_nodes(spec: str, nodes: int) -> None:
+    if nodes > MAX_TREE_NODES:
+        raise TreeShapeError(f"tree {spec!r} has {nodes} nodes; one target forward verifies at most "
+                             f"{MAX_TREE_NODES}")
+
+
+def check_tree_runner(runner, role: str) -> None:
+    if not hasattr(runner, "forward_masked"):
+        raise TreeShapeError(f"the {role}'s {type(runner).__name__} cannot verify a tree: it has no masked "
+                             "forward (the CUDA-graph replay runs causal shapes only); use backend 'lean' or 'hf'")
+
+
+def check_tree_fits(shape: TreeShape, prompt_len: int, max_new_tokens: int, max_lengths: list[int | None]) -> None:
+    """A tree's deepest node must fit each model's context after the longest committed text."""
+    needed = prompt_len + max_new_tokens + shape.depth
+    for max_length in max_lengths:
+        if max_length is not None and needed > max_length:
+            raise TreeShapeError(f"tree {shape.label} is {shape.depth} deep: prompt ({prompt_len}) + "
+                                 f"max_new_tokens ({max_new_tokens}) + depth exceeds the model's context "
+                                 f"of {max_length} tokens")
+
+
+@dataclass
+class TokenTree:
+    """Proposed nodes in creation order (a parent always before its children)."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    """Index of each node's parent; -1: the root."""
+    draft_probs: list[torch.Tensor | None] = field(default_factory=list)
+    """The distribution each node was drawn from (given its earlier siblings), as `Proposal.draft_probs`;
+    None: chosen deterministically (the draft's top children), tested as a one-hot."""
+    depths: list[int] = field(default_factory=list)
+    children: dict[int, list[int]] = field(default_factory=dict)
+    """Children of each node (-1: the root), in the order they are tried."""
+
+    def add(self, token: int, parent: int, probs: torch.Tensor | None = None) -> int:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.draft_probs.append(probs)
+        self.depths.append(1 if parent < 0 else self.depths[parent] + 1)
+        self.children.setdefault(parent, []).append(len(self.tokens) - 1)
+        return len(self.tokens) - 1
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths, default=0)
+
+    def path_tokens(self, path: list[int]) -> list[int]:
+        return [self.tokens[i] for i in path]
+
+    def subtree(self, keep: list[int]) -> TokenTree:
+        """The nodes `keep` (ancestor-closed, in creation order) as a tree of their own."""
+        index = {old: new for new, old in enumerate(keep)}
+        tree = TokenTree()
+        for old in keep:
+            parent = self.parents[old]
+            tree.add(self.tokens[old], index[parent] if parent >= 0 else -1, self.draft_probs[old])
+        return tree
+
+
+def ancestors(parents: list[int]) -> torch.Tensor:
+    """[n, n] bool: entry (i, j) is True when node j is node i or one of its ancestors."""
+    n = len(parents)
+    seen = torch.eye(n, dtype=torch.bool)
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            seen[i] |= seen[parent]
+    return seen
+
+
+def tree_window(start: int, prefix: int, parents: list[int], depths: list[int],
+                device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions [m] and visibility [m, start + m] (True = attend) of a forward at cache slots
+    start..start+m-1 over `prefix` committed tokens (causal) and then the tree's nodes, m = prefix + n.
+    Node i is at position start + prefix - 1 + depth i and sees every slot before the nodes, its
+    ancestors' slots and its own."""
+    n = len(parents)
+    m, end = prefix + n, start + prefix + n
+    positions = torch.arange(start, end)
+    positions[prefix:] = start + prefix - 1 + torch.tensor(depths, dtype=torch.long)
+    visible = torch.ones(m, end, dtype=torch.bool).tril(start)
+    visible[prefix:, start + prefix:] = ancestors(parents)
+    return positions.to(device), visible.to(device)

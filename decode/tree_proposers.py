@@ -1,0 +1,177 @@
+"""Tree proposers: a draft expands a tree of candidates level by level, one draft forward per level.
+
+  build_tree          static shapes (children per depth) and dynamic ones (EAGLE-2: expand the most
+                      probable nodes by cumulative draft probability, keep the `nodes` most probable)
+  DraftTreeProposer   a standalone draft LM: each level's nodes go through one masked forward
+  FeatureTreeProposer the feature draft: each level reads its parents' outputs in one masked forward
+
+A node's children are its draft distribution's most probable tokens (the temperature's warped
+distribution at T > 0; the plain softmax ranks them at T = 0). They are chosen deterministically,
+so the acceptance rule tests each as a one-hot (decode/tree_decode.py): trying them in turn with the
+target renormalised without the rejected ones is drawing from the target and looking the draw up
+among the children. Cumulative probabilities only rank nodes; they never enter the acceptance test.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+
+from decode.feature_proposer import FeatureProposer
+from decode.proposers import DraftProposer
+from decode.runners import Runner
+from decode.sampling import SamplingParams
+from decode.tree import DynamicTree, StaticTree, TokenTree, TreeShape, check_tree_runner
+
+
+class LevelDrafter(Protocol):
+    draft_ids: torch.Tensor | None
+    forwards: int
+
+    def root(self, committed: list[int]) -> torch.Tensor | None:
+        """Logits [N] of the token after `committed` (None: no position to draft from)."""
+
+    def expand(self, tree: TokenTree, nodes: list[int]) -> torch.Tensor:
+        """Logits [len(nodes), N] of the children of `nodes`, whose parents were expanded before."""
+
+    def finish(self) -> None:
+        """Forget the tree's positions: the draft's cache holds the committed text again."""
+
+
+def build_tree(drafter: LevelDrafter, committed: list[int], shape: TreeShape, max_depth: int,
+               sampling: SamplingParams) -> tuple[TokenTree, int]:
+    """A tree of at most max_depth levels after `committed` and the draft forwards it took."""
+    forwards, tree = drafter.forwards, TokenTree()
+    depth = min(shape.depth, max_depth)
+    logits = drafter.root(committed) if depth else None
+    if logits is None:
+        return tree, drafter.forwards - forwards
+    frontier, scores = [-1], {-1: 0.0}  # cumulative log draft probability of each node
+    logits = logits[None]
+    for d in range(depth):
+        width = shape.branching[d] if isinstance(shape, StaticTree) else shape.branch
+        new = _add_children(tree, frontier, logits, width, sampling, drafter.draft_ids, scores)
+        if d == depth - 1 or not new:
+            break
+        frontier = new if isinstance(shape, StaticTree) else sorted(new, key=lambda i: -scores[i])[: shape.branch]
+        frontier.sort()
+        logits = drafter.expand(tree, frontier)
+    drafter.finish()
+    if isinstance(shape, DynamicTree) and len(tree) > shape.nodes:
+        # A child is never more probable than its parent and comes after it, so the best `nodes` by
+        # (probability, creation order) include every kept node's ancestors.
+        keep = sorted(sorted(range(len(tree)), key=lambda i: (-scores[i], i))[: shape.nodes])
+        tree = tree.subtree(keep)
+    return tree, drafter.forwards - forwards
+
+
+def _add_children(tree: TokenTree, parents: list[int], logits: torch.Tensor, width: int, sampling: SamplingParams,
+                  draft_ids: torch.Tensor | None, scores: dict[int, float]) -> list[int]:
+    """Each parent's `width` most probable tokens as its children (none of probability 0)."""
+    probs = logits.float().softmax(-1) if sampling.greedy else sampling.warp(logits)  # [F, N]
+    top = probs.topk(min(width, probs.shape[-1]), dim=-1)
+    rows = top.indices if draft_ids is None else draft_ids[top.indices]
+    new = []
+    for parent, values, tokens in zip(parents, top.values.tolist(), rows.tolist()):
+        for p, token in zip(values, tokens):
+            if p > 0:
+                child = tree.add(token, parent)
+                scores[child] = scores[parent] + math.log(p)
+                new.append(child)
+    return new
+
+
+def level_window(tree: TokenTree, nodes: list[int], slots: dict[int, int], prefix_end: int,
+                 start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions [m] and visibility [m, start + m] of `nodes` fed into slots start.. of a draft's cache
+    that holds the committed text in slots 0..prefix_end-1 and expanded nodes at `slots` (updated)."""
+    m = len(nodes)
+    visible = torch.zeros(m, start + m, dtype=torch.bool)
+    visible[:, :prefix_end] = True
+    for j, node in enumerate(nodes):
+        slots[node] = start + j
+        while node >= 0:  # itself and its ancestors, all expanded before it
+            visible[j, slots[node]] = True
+            node = tree.parents[node]
+    positions = torch.tensor([prefix_end - 1 + tree.depths[i] for i in nodes], dtype=torch.long)
+    return positions, visible
+
+
+class DraftTreeProposer:
+    """A standalone draft LM drafting trees (implements decode.tree_decode.TreeProposer)."""
+
+    def __init__(self, runner: Runner):
+        check_tree_runner(runner, "draft")
+        self.chain = DraftProposer(runner)  # reset, rollback and the draft's readable ids
+        self.runner, self.draft_ids, self.max_length = runner, self.chain.draft_ids, runner.max_length
+        self.forwards = 0
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        self.chain.reset(prompt_ids)
+
+    def rollback(self, n_committed: int) -> None:
+        self.chain.rollback(n_committed)
+
+    def propose_tree(self, committed: list[int], shape: TreeShape, max_depth: int, sampling: SamplingParams,
+                     generator: torch.Generator | None) -> tuple[TokenTree, int]:
+        return build_tree(self, committed, shape, max_depth, sampling)
+
+    def root(self, committed: list[int]) -> torch.Tensor:
+        ids = self.chain.readable(committed[self.runner.length:])
+        self.prefix_end, self.slots = len(committed), {}
+        self.forwards += 1
+        return self.runner.forward(ids, 1, full_vocab=self.draft_ids is None)[0]
+
+    def expand(self, tree: TokenTree, nodes: list[int]) -> torch.Tensor:
+        positions, visible = level_window(tree, nodes, self.slots, self.prefix_end, self.runner.length)
+        ids = self.chain.readable([tree.tokens[i] for i in nodes])
+        self.forwards += 1
+        return self.runner.forward_masked(ids, positions, visible, len(nodes), full_vocab=self.draft_ids is None)
+
+    def finish(self) -> None:
+        self.runner.rollback(self.prefix_end)
+
+
+class FeatureTreeProposer:
+    """The feature draft drafting trees (implements decode.tree_decode.TreeProposer): node i's level reads
+    its parent's output and the target's embedding of its token, at position prefix + depth."""
+
+    def __init__(self, proposer: FeatureProposer):
+        self.chain = proposer  # the target's hidden states, the catch-up, reset and rollback
+        self.draft_ids, self.max_length = proposer.draft_ids, proposer.max_length
+
+    @property
+    def forwards(self) -> int:
+        return self.chain.forwards
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        self.chain.reset(prompt_ids)
+
+    def rollback(self, n_committed: int) -> None:
+        self.chain.rollback(n_committed)
+
+    def propose_tree(self, committed: list[int], shape: TreeShape, max_depth: int, sampling: SamplingParams,
+                     generator: torch.Generator | None) -> tuple[TokenTree, int]:
+        return build_tree(self, committed, shape, max_depth, sampling)
+
+    def root(self, committed: list[int]) -> torch.Tensor | None:
+        out = self.chain.out_before(committed)
+        if out is None:
+            return None
+        self.prefix_end, self.slots, self.outs = self.chain.cache.length, {}, {-1: out}
+        return self.chain.draft.logits(out)
+
+    def expand(self, tree: TokenTree, nodes: list[int]) -> torch.Tensor:
+        cache = self.chain.cache
+        positions, visible = level_window(tree, nodes, self.slots, self.prefix_end, cache.length)
+        hidden = torch.stack([self.outs[tree.parents[i]] for i in nodes])  # [m, hidden]
+        out = cache.forward(hidden, self.chain.embed([tree.tokens[i] for i in nodes]),
+                            positions.to(hidden.device), visible.to(hidden.device))
+        self.outs.update(zip(nodes, out))
+        self.chain.forwards += 1
+        return self.chain.draft.logits(out)
+
+    def finish(self) -> None:
+        self.chain.cache.rollback(self.prefix_end)

@@ -1,0 +1,231 @@
+"""Draft trees (decode/tree.py, tree_proposers.py, tree_decode.py): masked forwards equal chain forwards,
+the cache keeps the accepted path, lossless sampling (χ²), exact greedy, and bad shapes refused."""
+
+from collections import Counter
+
+import pytest
+import torch
+from scipy import stats as scipy_stats
+
+from decode.api import build_feature_runner, build_runners
+from decode.feature_proposer import FeatureProposer
+from decode.runners import make_runner
+from decode.runners.graphs import GraphRunner
+from decode.sampling import SamplingParams, sample
+from decode.speculative import target_decode
+from decode.tree import (MAX_TREE_NODES, DynamicTree, StaticTree, TokenTree, TreeShapeError, ancestors,
+                         parse_tree, tree_window)
+from decode.tree_decode import tree_decode, verify_tree, verify_tree_greedy
+from decode.tree_proposers import DraftTreeProposer, FeatureTreeProposer
+from tests.conftest import negated_copy, random_feature_draft, small_llama, subset_llama
+
+PROMPT = torch.tensor([[0, 3, 7, 2, 9]])
+SHAPES = ["3x2x1", "dynamic:depth=4,branch=3,nodes=8"]
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_parse_tree_shapes():
+    assert parse_tree("4x2x1x1") == StaticTree((4, 2, 1, 1))
+    assert parse_tree("4x2x1x1").nodes == 4 + 8 + 8 + 8
+    assert parse_tree("dynamic:depth=6,branch=4,nodes=24") == DynamicTree(6, 4, 24)
+    assert parse_tree("2").depth == 1
+
+
+@pytest.mark.parametrize("spec, says", [
+    ("", "children per depth"), ("3x0x1", "at least one child"), ("3,2", "children per depth"),
+    ("dynamic:depth=4,branch=2,nodes=0", "node budget of 0"), ("dynamic:depth=4,branch=2", "give depth, branch"),
+    ("dynamic:depth=4,width=2,nodes=8", "dynamic:depth=D"), ("8x8", f"at most {MAX_TREE_NODES}"),
+    (f"dynamic:depth=4,branch=2,nodes={MAX_TREE_NODES + 1}", f"at most {MAX_TREE_NODES}"),
+])
+def test_bad_tree_shapes_are_refused(spec, says):
+    with pytest.raises(TreeShapeError, match=says):
+        parse_tree(spec)
+
+
+def example_tree() -> TokenTree:
+    """root -> 5 (-> 6 -> 8, -> 7), 4 (-> 9)"""
+    tree = TokenTree()
+    for token, parent in [(5, -1), (4, -1), (6, 0), (7, 0), (9, 1), (8, 2)]:
+        tree.add(token, parent)
+    return tree
+
+
+def test_tree_window_sees_ancestors_only():
+    tree = example_tree()
+    assert tree.depths == [1, 1, 2, 2, 2, 3]
+    assert ancestors(tree.parents)[5].tolist() == [True, False, True, False, False, True]
+    positions, visible = tree_window(10, 2, tree.parents, tree.depths)
+    assert positions.tolist() == [10, 11, 12, 12, 13, 13, 13, 14]
+    assert visible.shape == (8, 18)
+    assert visible[0, :11].all() and not visible[0, 11:].any()  # committed rows are causal
+    assert visible[7, :12].all() and visible[7, 12:].tolist() == [True, False, True, False, False, True]
+
+
+def path_to(tree: TokenTree, node: int) -> list[int]:
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = tree.parents[node]
+    return path[::-1]
+
+
+@pytest.mark.parametrize("backend", ["lean", "hf"])
+def test_masked_forward_equals_each_paths_chain_and_keep_holds_the_path(backend):
+    model = small_llama(seed=0, layers=2)
+    tree, committed = example_tree(), [0, 3, 7, 2, 9]
+    runner, fresh = make_runner(model, 16, backend), make_runner(model, 16, backend)
+    runner.forward(torch.tensor(committed[:3]), 1)
+    positions, visible = tree_window(3, 2, tree.parents, tree.depths)
+    logits = runner.forward_masked(torch.tensor(committed[3:] + tree.tokens), positions, visible, len(tree) + 1)
+    for node in range(len(tree)):
+        fresh.reset()
+        chain = fresh.forward(torch.tensor(committed + tree.path_tokens(path_to(tree, node))), 1)[0]
+        torch.testing.assert_close(logits[1 + node], chain, rtol=1e-4, atol=1e-4)
+    runner.keep(5, [5 + i for i in path_to(tree, 5)])  # accept 5 -> 6 -> 8
+    assert runner.length == 8
+    fresh.reset()
+    expected = fresh.forward(torch.tensor(committed + [5, 6, 8, 11]), 1)
+    torch.testing.assert_close(runner.forward(torch.tensor([11]), 1), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("backend", ["lean", "hf"])
+@pytest.mark.parametrize("draft_kind", ["full", "subset"])
+def test_greedy_tree_equals_target_only(pair, shape, backend, draft_kind):
+    target, draft = pair
+    if draft_kind == "subset":
+        draft = subset_llama([0, 1, 2, 3, 5, 7, 9, 11, 13], 16, spread_other=True)
+    target_runner, draft_runner = build_runners(target, draft, backend)
+    base = target_decode(target_runner, PROMPT, max_new_tokens=20, sampling=SamplingParams())
+    out = tree_decode(target_runner, DraftTreeProposer(draft_runner), PROMPT, shape=parse_tree(shape),
+                      max_new_tokens=20, sampling=SamplingParams())
+    assert out.tokens.tolist() == base.tolist()
+    assert out.stats.emitted == 20 and out.stats.target_forwards <= 20
+
+
+def test_a_draft_whose_children_are_all_wrong_emits_one_token_per_forward(pair):
+    """The negated draft's top children are the target's least likely tokens (HF runner: the lean forward
+    reads the weights, not the negating forward)."""
+    target, _ = pair
+    target_runner, draft_runner = build_runners(target, negated_copy(target), "hf")
+    base = target_decode(target_runner, PROMPT, max_new_tokens=12, sampling=SamplingParams())
+    out = tree_decode(target_runner, DraftTreeProposer(draft_runner), PROMPT, shape=parse_tree("3x2x1"),
+                      max_new_tokens=12, sampling=SamplingParams())
+    assert out.tokens.tolist() == base.tolist()
+    assert out.stats.target_forwards == 12 and out.stats.accepted == 0 and out.stats.proposed > 12 * 9
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_greedy_feature_tree_equals_target_only(shape):
+    target = small_llama(seed=0, layers=2)
+    runner = build_feature_runner(target, feature := random_feature_draft(target))
+    proposer = FeatureTreeProposer(FeatureProposer(runner, feature, target.get_input_embeddings().weight))
+    base = target_decode(make_runner(target, 16), PROMPT, max_new_tokens=20, sampling=SamplingParams())
+    out = tree_decode(runner, proposer, PROMPT, shape=parse_tree(shape), max_new_tokens=20,
+                      sampling=SamplingParams())
+    assert out.tokens.tolist() == base.tolist()
+    one = tree_decode(runner, proposer, torch.tensor([[3]]), shape=parse_tree(shape), max_new_tokens=6,
+                      sampling=SamplingParams())
+    assert one.tokens.tolist() == target_decode(make_runner(target, 16), torch.tensor([[3]]), max_new_tokens=6,
+                                                sampling=SamplingParams()).tolist()
+
+
+def test_a_draft_equal_to_the_target_accepts_every_greedy_path(pair):
+    target, _ = pair
+    target_runner, draft_runner = build_runners(target, target, "lean")
+    out = tree_decode(target_runner, DraftTreeProposer(draft_runner), PROMPT, shape=parse_tree("2x2x2"),
+                      max_new_tokens=16, sampling=SamplingParams())
+    assert out.stats.target_forwards == 4 and out.stats.accepted == 12  # 3 accepted + a bonus per forward
+
+
+def continuations(fn, n, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return Counter(tuple(fn(gen).tolist()) for _ in range(n))
+
+
+def two_sample_pvalue(a: Counter, b: Counter) -> float:
+    cells = sorted(set(a) | set(b))
+    frequent = [c for c in cells if a[c] + b[c] >= 10]
+    rare = [c for c in cells if c not in frequent]
+    rows = [[x[c] for c in frequent] + [sum(x[c] for c in rare)] for x in (a, b)]
+    return scipy_stats.chi2_contingency(rows).pvalue
+
+
+@pytest.mark.parametrize("warp", [dict(temperature=1.0), dict(temperature=0.7, top_k=5, top_p=0.9)])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_sampled_tree_sequences_match_target_only(pair, warp, shape):
+    """Two-sample χ² on the joint histogram of 3-token continuations, tree against target-only."""
+    target, draft = pair
+    target_runner, draft_runner = build_runners(target, draft, "lean")
+    proposer, sampling, tree = DraftTreeProposer(draft_runner), SamplingParams(**warp), parse_tree(shape)
+    spec = continuations(lambda g: tree_decode(target_runner, proposer, PROMPT, shape=tree, max_new_tokens=3,
+                                               sampling=sampling, generator=g).tokens, 1000, seed=1)
+    base = continuations(lambda g: target_decode(target_runner, PROMPT, max_new_tokens=3, sampling=sampling,
+                                                 generator=g), 1000, seed=2)
+    assert two_sample_pvalue(spec, base) > 1e-4
+
+
+def random_dist(gen, size=6):
+    p = torch.rand(size, generator=gen) + 0.05
+    return p / p.sum()
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_multi_candidate_rule_emits_the_target_at_every_depth(sampled):
+    """Context-free target p_d at depth d; a tree of 3 children at the root and 2 under each. Children are
+    either the draft's top tokens (tested as one-hots) or drawn from q without replacement (each tested
+    against q without its earlier siblings). The first two emitted tokens must follow p_0 and p_1."""
+    gen = torch.Generator().manual_seed(3)
+    target = torch.stack([random_dist(gen) for _ in range(3)])
+    draft = torch.stack([random_dist(gen) for _ in range(3)])
+    counts = torch.zeros(2, 6)
+    for _ in range(6000):
+        tree = TokenTree()
+        for depth, parents in ((0, [-1]), (1, None)):
+            for parent in parents if parents is not None else list(tree.children[-1]):
+                q = draft[depth].clone()
+                for _ in range(3 if depth == 0 else 2):
+                    if sampled:
+                        q = q / q.sum()
+                        token = int(sample(q, gen))
+                        tree.add(token, parent, q)
+                        q = q.clone()
+                        q[token] = 0.0
+                    else:
+                        token = int(q.argmax())
+                        tree.add(token, parent)
+                        q[token] = -1.0
+        rows = torch.stack([target[0]] + [target[d] for d in tree.depths])
+        emitted, _ = verify_tree(tree, rows, gen)
+        counts[0, emitted[0]] += 1
+        if len(emitted) > 1:
+            counts[1, emitted[1]] += 1
+    for depth in range(2):
+        expected = target[depth] * counts[depth].sum()
+        assert scipy_stats.chisquare(counts[depth].numpy(), expected.numpy()).pvalue > 1e-4, depth
+
+
+def test_greedy_rule_follows_the_targets_argmax():
+    tree = example_tree()
+    logits = torch.full((1 + len(tree), 12), -1.0)
+    for row, best in enumerate([5, 6, 3, 8, 2, 4, 10]):  # root: 5; node 0 (5): 6; node 2 (6): 8; node 5 (8): 10
+        logits[row, best] = 1.0
+    assert verify_tree_greedy(tree, logits) == ([5, 6, 8, 10], [0, 2, 5])
+    logits[0] = 0.0
+    logits[0, 11] = 1.0
+    assert verify_tree_greedy(tree, logits) == ([11], [])
+
+
+def test_a_tree_of_a_graph_runner_is_refused(pair):
+    target, draft = pair
+    with pytest.raises(TreeShapeError, match="GraphRunner cannot verify a tree"):
+        tree_decode(GraphRunner(make_runner(target, 16, "lean"), capture=False), None, PROMPT,
+                    shape=parse_tree("2x2"), max_new_tokens=4, sampling=SamplingParams())
+
+
+def test_a_tree_deeper_than_the_context_is_refused(pair):
+    target, draft = small_llama(seed=0, max_positions=12), small_llama(seed=1, max_positions=12)
+    target_runner, draft_runner = build_runners(target, draft, "lean")
+    with pytest.raises(TreeShapeError, match="exceeds the model's context of 12"):
+        tree_decode(target_runner, DraftTreeProposer(draft_runner), PROMPT, shape=parse_tree("2x1x1x1"),
+                    max_new_tokens=5, sampling=SamplingParams())
