@@ -17,6 +17,7 @@ reads and has its own cost model. Target-only decoding keeps the plain runner.
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import itertools
 import json
@@ -35,7 +36,7 @@ from decode.api import build_feature_runner, build_runners
 from decode.cli import cli_config, run_cli
 from decode.config import Config, ConfigError, config_to_dict
 from decode.feature_draft import FeatureDraft, check_target, feature_draft_problem, is_feature_draft
-from decode.feature_proposer import make_feature_proposer
+from decode.feature_proposer import FeatureProposer, make_feature_proposer
 from decode.feature_timing import FeatureDraftSteps
 from decode.hf_baselines import full_vocab_view, hf_generate
 from decode.models import (TOKENIZER_FILES, check_tokenizers, load_model, load_tokenizer, param_count,
@@ -50,9 +51,17 @@ from decode.runners import Runner, make_runner
 from decode.sampling import SamplingParams
 from decode.speculative import speculative_decode, target_decode
 from decode.stats import SpeculativeStats, predicted_speedup
-from decode.timing import cost_model, timed, timing_reliability
+from decode.timing import cost_model, timed, timing_reliability, verify_cost
+from decode.tree import TreeShape, parse_tree
+from decode.tree_decode import TreeProposer, tree_decode
+from decode.tree_proposers import DraftTreeProposer, FeatureTreeProposer
 from decode.tracking import start_wandb
 from decode.vocab import VocabSubset, model_vocab_size
+
+
+TREE_R_NODES = (12, 16, 24, 32, 48, 64)
+"""Node counts whose verification cost r(n) is measured (with 1..eval.r_max_k) when eval.trees lists trees:
+nodes=auto reads r between them."""
 
 
 @dataclass
@@ -76,10 +85,19 @@ class Setup:
     out_dir: Path
     dtype: DtypeChoice
     """What target and drafts decode in (eval.dtype resolved), and why."""
+    trees: list[TreeShape]
+    """eval.trees, parsed."""
+    tree_proposers: dict[str, TreeProposer]
+    """By draft kind ("draft", "feature"): each draft drafting trees (when eval.trees lists any)."""
+    tree_runner: Runner | None
+    """The target runner that verifies the standalone draft's trees (a masked forward: never the
+    CUDA-graph replay)."""
 
-    def verifier(self, proposer: str) -> Runner:
-        """The target runner that verifies a proposer's tokens."""
-        return self.feature_runner if draft_kind(proposer) == "feature" else self.target_runner
+    def verifier(self, proposer: str, tree: bool = False) -> Runner:
+        """The target runner that verifies a proposer's tokens (its trees when `tree`)."""
+        if draft_kind(proposer) == "feature":
+            return self.feature_runner
+        return self.tree_runner if tree else self.target_runner
 
 
 def draft_kind(proposer: str) -> str:
@@ -147,14 +165,22 @@ def setup(cfg: Config) -> Setup:
         proposers["draft"] = make_proposer(draft_runner)
         if ev.lookup_ngram:
             proposers["draft+lookup"] = make_proposer(draft_runner, ev.lookup_ngram)
+    embeddings = target.get_input_embeddings().weight
     if feature is not None:
-        embeddings = target.get_input_embeddings().weight
         proposers["feature"] = make_feature_proposer(feature_runner, feature, embeddings)
         if ev.lookup_ngram:
             proposers["feature+lookup"] = make_feature_proposer(feature_runner, feature, embeddings, ev.lookup_ngram)
+    trees = [parse_tree(spec) for spec in ev.trees]
+    tree_proposers, tree_runner = {}, None
+    if trees and draft_runner is not None:
+        tree_runner = target_runner if hasattr(target_runner, "forward_masked") else make_runner(
+            target, model_vocab_size(target), "lean")
+        tree_proposers["draft"] = DraftTreeProposer(draft_runner)
+    if trees and feature is not None:
+        tree_proposers["feature"] = FeatureTreeProposer(FeatureProposer(feature_runner, feature, embeddings))
     return Setup(cfg, device, tokenizer, target, draft, feature, prompt_sets, target_runner, draft_runner,
                  feature_runner, proposers, out_dir=Path(ev.out_dir or Path(cfg.distill.out_dir) / "eval"),
-                 dtype=precision)
+                 dtype=precision, trees=trees, tree_proposers=tree_proposers, tree_runner=tree_runner)
 
 
 def eval_prompts(cfg: Config, tokenizer, context_length: int) -> dict[str, list]:
@@ -189,23 +215,27 @@ def prompt_seed(seed: int, prompt_id: str, temperature: float) -> int:
 def aggregate(runs: list[dict], costs: dict[str, dict]) -> list[dict]:
     """One row per (prompt set, temperature, proposer, k): pooled tokens/s and merged acceptance statistics,
     predicted by the cost model of the proposer's draft kind (costs: by draft_kind)."""
+    def key(r: dict) -> tuple:
+        return r["prompt_set"], r["temperature"], r["proposer"], r["k"], r.get("tree") or ""
+
     rows = []
-    keys = sorted({(r["prompt_set"], r["temperature"], r["proposer"], r["k"]) for r in runs})
-    for prompt_set, temperature, proposer, k in keys:
-        group = [r for r in runs if (r["prompt_set"], r["temperature"], r["proposer"], r["k"])
-                 == (prompt_set, temperature, proposer, k)]
+    for prompt_set, temperature, proposer, k, tree in sorted({key(r) for r in runs}):
+        group = [r for r in runs if key(r) == (prompt_set, temperature, proposer, k, tree)]
         stats = SpeculativeStats(k=k)
         for r in group:
             stats = stats.merge(SpeculativeStats.from_dict(r["stats"]))
         base_tok_s = sum(r["baseline_tokens"] for r in group) / sum(r["baseline_s"] for r in group)
         spec_tok_s = sum(r["speculative_tokens"] for r in group) / sum(r["speculative_s"] for r in group)
         cost = costs[draft_kind(proposer)]
-        predicted = (predicted_speedup(stats.tau, stats.draft_steps_per_forward, cost["c"], cost["r"][k])
-                     if k in cost["r"] else None)
+        # Verified per target forward: k drafted tokens for a chain, the tree's nodes (fewer near the end).
+        verified = stats.proposed / stats.target_forwards if stats.target_forwards else 0.0
+        r_block = cost["r"][k] if not tree and k in cost["r"] else verify_cost(cost["r"], max(verified, 1.0))
+        predicted = predicted_speedup(stats.tau, stats.draft_steps_per_forward, cost["c"], r_block)
         speedup = spec_tok_s / base_tok_s
         greedy = [r["greedy_identical"] for r in group if r["greedy_identical"] is not None]
         rows.append({
-            "prompt_set": prompt_set, "temperature": temperature, "proposer": proposer, "k": k,
+            "prompt_set": prompt_set, "temperature": temperature, "proposer": proposer, "k": k, "tree": tree or None,
+            "verified_per_forward": verified, "target_forwards": stats.target_forwards,
             "n_prompts": len(group), "looked_up": stats.looked_up, "looked_up_accepted": stats.looked_up_accepted,
             "draft_steps_per_forward": stats.draft_steps_per_forward,
             "alpha": stats.alpha, "token_acceptance": stats.token_acceptance, "tau": stats.tau, "per_position_acceptance": stats.per_position_acceptance,
@@ -241,7 +271,8 @@ def first_prompt_ids(s: Setup) -> list[int]:
 
 
 def warm_up_and_cost(s: Setup) -> dict[str, dict]:
-    """Untimed warm-up (first calls allocate caches and pick kernels), then each draft kind's cost model."""
+    """Untimed warm-up (first calls allocate caches and pick kernels), each draft kind's cost model, then the
+    trees' warm-up."""
     ev = s.cfg.eval
     first = torch.tensor([first_prompt_ids(s)])
     greedy = SamplingParams()
@@ -251,18 +282,29 @@ def warm_up_and_cost(s: Setup) -> dict[str, dict]:
             if name in s.proposers:
                 speculative_decode(s.verifier(name), s.proposers[name], first, k=max(ev.ks), max_new_tokens=8,
                                    sampling=greedy)
-    return measure_costs(s)
+    costs = measure_costs(s)  # before the trees' warm-up: nodes=auto reads it
+    for _ in range(ev.warmup):
+        for shape, (name, proposer) in itertools.product(s.trees, s.tree_proposers.items()):
+            tree_decode(s.verifier(name, tree=True), proposer, first, shape=shape, max_new_tokens=8, sampling=greedy)
+    return costs
 
 
 def measure_costs(s: Setup) -> dict[str, dict]:
-    """By draft kind: c (its draft step ÷ the target step) and r(k), timed on the runners it decodes with."""
-    context, max_k = first_prompt_ids(s), s.cfg.eval.r_max_k
+    """By draft kind: c (its draft step ÷ the target step) and r(k), timed on the runners it decodes with:
+    k = 1..eval.r_max_k, and node counts up to the largest tree's (nodes=auto trees read r between them)."""
+    context = first_prompt_ids(s)
+    ks = list(range(1, s.cfg.eval.r_max_k + 1))
+    if s.trees:
+        largest = max(shape.max_nodes for shape in s.trees)
+        ks += [n for n in TREE_R_NODES if n < largest] + [largest]
     costs = {}
     if s.draft_runner is not None:
-        costs["draft"] = cost_model(s.target_runner, s.draft_runner, context, max_k)
+        costs["draft"] = cost_model(s.target_runner, s.draft_runner, context, ks)
     if s.feature is not None:
         steps = FeatureDraftSteps(s.feature, s.target.get_input_embeddings().weight)
-        costs["feature"] = cost_model(s.feature_runner, steps, context, max_k)
+        costs["feature"] = cost_model(s.feature_runner, steps, context, ks)
+    for kind, proposer in s.tree_proposers.items():
+        proposer.costs = (costs[kind]["c"], functools.partial(verify_cost, costs[kind]["r"]))
     return costs
 
 
@@ -271,7 +313,8 @@ def measure(s: Setup) -> tuple[list[dict], list[dict], dict[tuple[str, str], lis
     on the same runners. Returns (runs, samples, target-only greedy tokens by (prompt set, prompt id))."""
     ev = s.cfg.eval
     n_prompts = sum(len(p) for p in s.prompt_sets.values())
-    progress = tqdm(total=n_prompts * len(ev.temperatures) * (1 + len(ev.ks) * len(s.proposers)),
+    per_prompt = 1 + len(ev.ks) * len(s.proposers) + len(s.trees) * len(s.tree_proposers)
+    progress = tqdm(total=n_prompts * len(ev.temperatures) * per_prompt,
                     desc="eval-speedup", dynamic_ncols=True, smoothing=0)
     start = time.perf_counter()
     runs, samples = [], []
@@ -280,7 +323,7 @@ def measure(s: Setup) -> tuple[list[dict], list[dict], dict[tuple[str, str], lis
         for set_name, prompts in s.prompt_sets.items():
             for prompt in prompts:
                 base = measure_prompt(s, set_name, prompt, temperature, runs, samples, progress)
-                if len(samples) == 1 + len(ev.ks) * len(s.proposers):  # the first prompt's runs
+                if len(samples) == per_prompt:  # the first prompt's runs
                     progress.write(expectation("eval-speedup", progress.n, progress.total, time.perf_counter() - start,
                                                "decoding runs (HF baselines and the cost model follow)"),
                                    file=sys.stderr)
@@ -306,23 +349,27 @@ def measure_prompt(s: Setup, set_name: str, prompt, temperature: float, runs: li
                              eos_token_id=eos, generator=torch.Generator(s.device).manual_seed(seed))
     progress.update(1)
     samples.append({**where, "method": "target-only", "text": s.tokenizer.decode(base)})
-    for k, (name, proposer) in itertools.product(ev.ks, s.proposers.items()):
+    decodes = [(name, k, None, functools.partial(speculative_decode, s.verifier(name), proposer, k=k))
+               for k, (name, proposer) in itertools.product(ev.ks, s.proposers.items())]
+    decodes += [(name, shape.depth, shape.label, functools.partial(tree_decode, s.verifier(name, tree=True),
+                                                                    proposer, shape=shape))
+                for shape, (name, proposer) in itertools.product(s.trees, s.tree_proposers.items())]
+    for i, (name, k, tree, decode) in enumerate(decodes):
         spec_s: list[float] = []
         with timed(s.device, spec_s):
-            out = speculative_decode(s.verifier(name), proposer, input_ids, k=k, max_new_tokens=ev.max_new_tokens,
-                                     sampling=sampling, eos_token_id=eos,
-                                     generator=torch.Generator(s.device).manual_seed(seed + k))
+            out = decode(input_ids, max_new_tokens=ev.max_new_tokens, sampling=sampling, eos_token_id=eos,
+                         generator=torch.Generator(s.device).manual_seed(seed + (k if tree is None else 1000 + i)))
         progress.update(1)
         speedup = (len(out.tokens) / spec_s[0]) / (len(base) / base_s[0])
-        runs.append({**where, "proposer": name, "k": k, "prompt_tokens": len(prompt.token_ids),
+        runs.append({**where, "proposer": name, "k": k, "tree": tree, "prompt_tokens": len(prompt.token_ids),
                      "baseline_tokens": len(base), "baseline_s": base_s[0],
                      "speculative_tokens": len(out.tokens), "speculative_s": spec_s[0],
                      "speedup": speedup, "stats": out.stats.to_dict(),
                      "greedy_identical": out.tokens.tolist() == base.tolist() if sampling.greedy else None})
-        method = (f"speculative k={k}" + (" feature" if draft_kind(name) == "feature" else "")
-                  + (" + lookup" if "+lookup" in name else ""))
+        method = (f"speculative {'k=' + str(k) if tree is None else 'tree ' + tree}"
+                  + (" feature" if draft_kind(name) == "feature" else "") + (" + lookup" if "+lookup" in name else ""))
         samples.append({**where, "method": method, "text": s.tokenizer.decode(out.tokens)})
-        progress.set_postfix(speedup=f"{speedup:.2f}", alpha=f"{out.stats.alpha:.2f}")
+        progress.set_postfix(speedup=f"{speedup:.2f}", tau=f"{out.stats.tau:.2f}")
     return base.tolist()
 
 
@@ -461,13 +508,13 @@ def print_headline(report: dict, out_dir: Path) -> None:
         print("\ntimings unreliable: machine busy; the go/no-go verdict is withheld:")
         for reason in reliability["reasons"]:
             print(f"  - {reason}")
-    print(f"\n{'prompts':<22}{'T':>5}{'proposer':>16}{'k':>4}{'alpha':>8}{'tau':>7}{'speedup':>9}{'pred':>7}"
-          "  greedy-identical")
+    print(f"\n{'prompts':<22}{'T':>5}{'proposer':>16}{'k':>4}  {'tree':<34}{'alpha':>6}{'tau':>7}{'speedup':>9}"
+          f"{'pred':>7}  greedy-identical")
     for r in report["results"]:
         same = "-" if r["greedy_identical"] is None else str(r["greedy_identical"])
         pred = f"{r['predicted_speedup']:.2f}" if r["predicted_speedup"] else "-"
-        print(f"{r['prompt_set']:<22}{r['temperature']:>5}{r['proposer']:>16}{r['k']:>4}{r['alpha']:>8.2f}{r['tau']:>7.2f}"
-              f"{r['speedup']:>8.2f}x{pred:>7}  {same}")
+        print(f"{r['prompt_set']:<22}{r['temperature']:>5}{r['proposer']:>16}{r['k']:>4}  {r.get('tree') or 'chain':<34}"
+              f"{r['alpha']:>6.2f}{r['tau']:>7.2f}{r['speedup']:>8.2f}x{pred:>7}  {same}")
     for r in report["hf"]:
         extra = f", ours speculative is {r['ours_over_this']:.2f}x this" if r.get("ours_over_this") else ""
         print(f"{r['prompt_set']}: {r['method']}{' k=' + str(r['k']) if r['k'] else ''}: {r['tok_s']:.1f} tok/s"

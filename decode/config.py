@@ -23,6 +23,7 @@ import yaml
 
 from decode.errors import UserError
 from decode.sampling import SamplingParams
+from decode.tree import TreeShapeError, parse_tree
 
 DTYPE_NAMES = ("auto", "fp32", "bf16")
 """The one spelling of a dtype in every section; 'auto' resolves per machine (decode/precision.py)."""
@@ -325,6 +326,11 @@ class EvalConfig:
     lookup_ngram: int = 0
     """> 0: also run every k with prompt lookup added to the draft (matching the last n..2 tokens,
     decode/lookup.py), reported as 'draft+lookup' rows next to the draft-only ones (0 = off)."""
+    trees: list[str] = field(default_factory=list)
+    """Draft-tree shapes decoded next to the chains, with each draft kind alone (decode/tree.py):
+    '4x2x1x1' (children per depth: the draft's top tokens) or 'dynamic:depth=6,branch=4,nodes=24'
+    (EAGLE-2: expand the most probable nodes, keep the most probable `nodes`; nodes=auto: per tree, the
+    count the measured cost model predicts fastest). Empty: chains only."""
     feature_draft: str | None = None
     """A feature draft folder (a `distill.draft_kind=feature` run's final/) measured next to `draft` on the
     same prompts, as 'feature' (and 'feature+lookup') rows; None: none. A `draft` that is itself a
@@ -355,6 +361,13 @@ class EvalConfig:
             out.append(f"eval.lookup_ngram: {self.lookup_ngram}; use 0 (off) or an n-gram size >= 2")
         out += _not_one_of("eval.dtype", self.dtype, DTYPE_NAMES)
         out += _not_one_of("eval.backend", self.backend, ("auto", "lean", "graph", "hf"))
+        for spec in self.trees:
+            try:
+                parse_tree(spec)
+            except TreeShapeError as error:
+                out.append(f"eval.trees: {error}")
+        if self.trees and self.backend == "graph":
+            out.append("eval.trees: the graph backend (CUDA-graph replay) cannot verify trees; use eval.backend=lean")
         return out
 
 

@@ -50,18 +50,21 @@ def write_markdown(report: dict, path: Path) -> None:
              "## Speculative vs target-only", "",
              "`draft+lookup` rows add prompt lookup to the draft (decode/lookup.py): looked up = proposed "
              "tokens that came from an earlier n-gram instead of the draft (accepted ones in brackets). "
-             "`feature` rows: the feature draft, which reads the target's hidden states (decode/feature_draft.py).", "",
+             "`feature` rows: the feature draft, which reads the target's hidden states (decode/feature_draft.py). "
+             "Rows with a tree verify a draft tree in each target forward (decode/tree.py): k is its depth, "
+             "nodes = tree nodes verified per target forward (a chain's k).", "",
              "speedup = pooled tokens/s ratio over the prompts; per prompt = the median (min–max) of each "
              "prompt's own ratio, which one slow run on a shared machine moves less.", "",
-             "| prompts | T | proposer | k | α | τ | looked up | target-only tok/s | speculative tok/s | speedup | "
-             "per prompt | predicted | measured/predicted | greedy identical |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| prompts | T | proposer | k | tree | nodes | α | τ | looked up | target-only tok/s | speculative tok/s | "
+             "speedup | per prompt | predicted | measured/predicted | greedy identical |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in report["results"]:
         same = "–" if row["greedy_identical"] is None else ("yes" if row["greedy_identical"] else "**NO**")
         looked_up = f"{row['looked_up']} ({row['looked_up_accepted']})" if "+lookup" in row["proposer"] else "–"
         per_prompt = row["speedup_per_prompt"]
         lines.append(f"| {row['prompt_set']} ({row['n_prompts']}) | {row['temperature']} | {row['proposer']} | "
-                     f"{row['k']} | {_fmt(row['alpha'])} | {_fmt(row['tau'])} | {looked_up} | "
+                     f"{row['k']} | {row.get('tree') or 'chain'} | {_fmt(row.get('verified_per_forward'), 1)} | "
+                     f"{_fmt(row['alpha'])} | {_fmt(row['tau'])} | {looked_up} | "
                      f"{_fmt(row['baseline_tok_s'], 1)} | "
                      f"{_fmt(row['speculative_tok_s'], 1)} | **{_fmt(row['speedup'])}×** | "
                      f"{_fmt(per_prompt['median'])}× ({_fmt(per_prompt['min'])}–{_fmt(per_prompt['max'])}) | "
@@ -77,13 +80,15 @@ def write_markdown(report: dict, path: Path) -> None:
                          f"{_fmt(row.get('ours_over_this'), unit='×')} | {row['identical_to_ours']} |")
     if report.get("engines"):
         lines += ["", *engine_lines(report["engines"], report["engines_setup"])]
-    lines += ["", "## Per prompt", "", "| prompts | prompt | T | proposer | k | tokens | speedup | greedy identical |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += ["", "## Per prompt", "", "| prompts | prompt | T | proposer | k | tree | tokens | speedup | greedy identical |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for run in report["runs"]:
         same = "–" if run["greedy_identical"] is None else ("yes" if run["greedy_identical"] else "**NO**")
         lines.append(f"| {run['prompt_set']} | {run['prompt_id']} | {run['temperature']} | {run['proposer']} | {run['k']} | "
+                     f"{run.get('tree') or 'chain'} | "
                      f"{run['speculative_tokens']} | {_fmt(run['speedup'])}× | {same} |")
-    lines += ["", "Plots: `acceptance_by_position.png`, `speedup_vs_k.png`. Samples: `samples.jsonl`."]
+    plots = "`acceptance_by_position.png`, `speedup_vs_k.png`" + (", `chains_vs_trees.png`" if _has_trees(report) else "")
+    lines += ["", f"Plots: {plots}. Samples: `samples.jsonl`."]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -98,6 +103,7 @@ def cost_model_lines(report: dict) -> list[str]:
               "(k for the draft alone, fewer with prompt lookup). "
               f"Measured again after the timed runs: target step {cm_end['target_step_ms']:.2f} ms, "
               f"draft step {cm_end['draft_step_ms']:.2f} ms, c = {cm_end['c']:.3f}.", "",
+              "r(k): a target forward over k + 1 tokens (a chain of k, or a tree of k nodes) ÷ one target step.", "",
               "| k | " + " | ".join(str(k) for k in cm["r"]) + " |",
               "|---|" + "---|" * len(cm["r"]),
               "| r(k) | " + " | ".join(f"{v:.2f}" for v in cm["r"].values()) + " |"]
@@ -151,7 +157,7 @@ def write_plots(report: dict, out_dir: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    results = report["results"]
+    results = [r for r in report["results"] if not r.get("tree")]
     groups = sorted({(r["prompt_set"], r["temperature"], r["proposer"]) for r in results})
 
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -185,4 +191,33 @@ def write_plots(report: dict, out_dir: Path) -> None:
     ax_speed.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out_dir / "speedup_vs_k.png", dpi=120)
+    plt.close(fig)
+    if _has_trees(report):
+        _plot_chains_vs_trees(plt, report["results"], out_dir / "chains_vs_trees.png")
+
+
+def _has_trees(report: dict) -> bool:
+    return any(r.get("tree") for r in report["results"])
+
+
+def _plot_chains_vs_trees(plt, results: list[dict], path: Path) -> None:
+    """τ and speedup of every chain and tree, one group of bars per (prompt set, T, draft kind)."""
+    groups = sorted({(r["prompt_set"], r["temperature"], r["proposer"]) for r in results if "+lookup" not in r["proposer"]})
+    fig, axes = plt.subplots(2, 1, figsize=(max(6, 2.2 * len(groups)), 7))
+    for g, group in enumerate(groups):
+        rows = [r for r in results if (r["prompt_set"], r["temperature"], r["proposer"]) == group]
+        rows.sort(key=lambda r: (bool(r.get("tree")), r["k"], r.get("tree") or ""))
+        width = 0.8 / len(rows)
+        for i, r in enumerate(rows):
+            label = r.get("tree") or f"chain k={r['k']}"
+            for ax, metric in zip(axes, ("tau", "speedup")):
+                bar = ax.bar(g + i * width, r[metric], width, color="tab:green" if r.get("tree") else "tab:blue")
+                ax.bar_label(bar, labels=[label], rotation=90, fontsize=6, padding=2)
+    for ax, name in zip(axes, ("τ (tokens per target forward)", "speedup over target-only")):
+        ax.set_xticks([g + 0.4 for g in range(len(groups))], ["{} T={} {}".format(*group) for group in groups], fontsize=7)
+        ax.set_ylabel(name)
+    axes[1].axhline(1.0, color="grey", linewidth=0.8)
+    axes[0].set_title("Chains (blue) and trees (green), same draft and prompts")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
     plt.close(fig)

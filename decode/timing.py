@@ -38,9 +38,10 @@ def _time_forward(runner: Runner, context_len: int, probe: torch.Tensor, full_vo
     return times[0]
 
 
-def cost_model(target_runner: Runner, draft_runner: Runner, context: list[int], max_k: int,
+def cost_model(target_runner: Runner, draft_runner: Runner, context: list[int], ks: list[int],
                repeats: int = 9) -> dict:
-    """Measure c = draft step / target step and r(k) = target forward over k+1 tokens / target step.
+    """Measure c = draft step / target step and r(k) = target forward over k+1 tokens / target step, for
+    each k of `ks` (a chain's draft lengths, a tree's node counts).
 
     Every repeat times the one-token steps and each (k+1)-token forward back to back, and the
     ratios are formed within a repeat before taking medians, so a slow moment on a shared
@@ -50,9 +51,9 @@ def cost_model(target_runner: Runner, draft_runner: Runner, context: list[int], 
         runner.reset()
         runner.forward(torch.tensor(context), 1)
     n = len(context)
-    probes = {m: torch.tensor((context * (m // n + 1))[-m:]) for m in range(1, max_k + 2)}
+    probes = {m: torch.tensor((context * (m // n + 1))[-m:]) for m in [1] + [k + 1 for k in ks]}
     target_steps, draft_steps, c_ratios = [], [], []
-    r_ratios: dict[int, list[float]] = {k: [] for k in range(1, max_k + 1)}
+    r_ratios: dict[int, list[float]] = {k: [] for k in sorted(set(ks))}
     for i in range(repeats + 1):  # the first round warms up allocations for every shape
         step = _time_forward(target_runner, n, probes[1])
         # Draft steps come in runs of k after each target forward (which evicts the draft's
@@ -157,3 +158,15 @@ def timing_reliability(report: dict, device_type: str) -> dict:
             "limits": {"target_only_spread": SPREAD_LIMIT, "measured_over_predicted": list(PREDICTION_BAND),
                        "measured_over_predicted_checked": device_type == "cpu",
                        "target_step_drift": TARGET_STEP_DRIFT, "hf_greedy_over_ours": HF_GREEDY_LIMIT}}
+
+
+def verify_cost(r: dict, n: float) -> float:
+    """r(n) between the measured counts: linear between the nearest two (and along the last two beyond them)."""
+    ks = sorted(int(k) for k in r)
+    values = [r[k] if k in r else r[str(k)] for k in ks]  # a report read back from JSON has string keys
+    if n <= ks[0]:
+        return values[0]
+    if len(ks) == 1:
+        return values[0]
+    i = next((i for i in range(1, len(ks)) if n <= ks[i]), len(ks) - 1)
+    return values[i - 1] + (values[i] - values[i - 1]) * (n - ks[i - 1]) / (ks[i] - ks[i - 1])

@@ -48,6 +48,10 @@ class StaticTree:
     def label(self) -> str:
         return "x".join(map(str, self.branching))
 
+    @property
+    def max_nodes(self) -> int:
+        return self.nodes
+
 
 @dataclass(frozen=True)
 class DynamicTree:
@@ -55,12 +59,17 @@ class DynamicTree:
     """Draft forwards per tree; the deepest node is at this depth."""
     branch: int
     """Nodes expanded per depth, and children per expanded node."""
-    nodes: int
-    """Nodes kept (the most probable by cumulative draft probability)."""
+    nodes: int | None
+    """Nodes kept (the most probable by cumulative draft probability); None ('auto'): per tree, the count
+    `best_budget` predicts fastest from the measured verification cost."""
 
     @property
     def label(self) -> str:
-        return f"dynamic:depth={self.depth},branch={self.branch},nodes={self.nodes}"
+        return f"dynamic:depth={self.depth},branch={self.branch},nodes={self.nodes or 'auto'}"
+
+    @property
+    def max_nodes(self) -> int:
+        return self.nodes or min(MAX_TREE_NODES, sum(self.branch ** (d + 1) for d in range(self.depth)))
 
 
 TreeShape = StaticTree | DynamicTree
@@ -84,18 +93,23 @@ def parse_tree(spec: str) -> TreeShape:
 
 
 def _parse_dynamic(text: str) -> DynamicTree:
-    values = {}
+    values: dict[str, int | None] = {}
     for item in text[len("dynamic:"):].split(","):
-        key, _, value = item.partition("=")
-        if key.strip() not in ("depth", "branch", "nodes") or not value.strip().isdigit():
-            raise TreeShapeError(f"tree {text!r}: write 'dynamic:depth=D,branch=B,nodes=N' with integers")
-        values[key.strip()] = int(value)
+        key, _, value = (part.strip() for part in item.partition("="))
+        if (key, value) == ("nodes", "auto"):
+            values[key] = None
+        elif key in ("depth", "branch", "nodes") and value.isdigit():
+            values[key] = int(value)
+        else:
+            raise TreeShapeError(f"tree {text!r}: write 'dynamic:depth=D,branch=B,nodes=N' with integers "
+                                 "(nodes=auto: the count the cost model predicts fastest)")
     if set(values) != {"depth", "branch", "nodes"}:
         raise TreeShapeError(f"tree {text!r}: give depth, branch and nodes")
     for key, value in values.items():
-        if value < 1:
+        if value is not None and value < 1:
             raise TreeShapeError(f"tree {text!r}: {key} must be >= 1 (a node budget of 0 verifies nothing)")
-    _check_nodes(text, values["nodes"])
+    if values["nodes"] is not None:
+        _check_nodes(text, values["nodes"])
     return DynamicTree(**values)
 
 
@@ -103,6 +117,20 @@ def _check_nodes(spec: str, nodes: int) -> None:
     if nodes > MAX_TREE_NODES:
         raise TreeShapeError(f"tree {spec!r} has {nodes} nodes; one target forward verifies at most "
                              f"{MAX_TREE_NODES}")
+
+
+def best_budget(values: list[float], draft_forwards: int, c: float, r) -> int:
+    """The node count n (>= 1) that maximises predicted tokens per unit of time,
+    (1 + sum of the n largest `values`) / (draft_forwards * c + r(n)): a node's value, its cumulative
+    draft probability, stands for the chance the target accepts it (EAGLE-2's premise), c is a draft
+    forward and r(n) the verification of n nodes, both in target steps (decode/timing.py)."""
+    best, best_rate, tokens = 1, 0.0, 1.0
+    for n, value in enumerate(sorted(values, reverse=True)[:MAX_TREE_NODES], start=1):
+        tokens += value
+        rate = tokens / (draft_forwards * c + r(n))
+        if rate > best_rate:
+            best, best_rate = n, rate
+    return best
 
 
 def check_tree_runner(runner, role: str) -> None:

@@ -15,6 +15,7 @@ among the children. Cumulative probabilities only rank nodes; they never enter t
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -23,12 +24,15 @@ from decode.feature_proposer import FeatureProposer
 from decode.proposers import DraftProposer
 from decode.runners import Runner
 from decode.sampling import SamplingParams
-from decode.tree import DynamicTree, StaticTree, TokenTree, TreeShape, check_tree_runner
+from decode.tree import (DynamicTree, StaticTree, TokenTree, TreeShape, TreeShapeError, best_budget,
+                         check_tree_runner)
 
 
 class LevelDrafter(Protocol):
     draft_ids: torch.Tensor | None
     forwards: int
+    costs: tuple[float, Callable[[float], float]] | None
+    """(c, r): a draft forward and the verification of n nodes, in target steps, for nodes=auto."""
 
     def root(self, committed: list[int]) -> torch.Tensor | None:
         """Logits [N] of the token after `committed` (None: no position to draft from)."""
@@ -59,12 +63,23 @@ def build_tree(drafter: LevelDrafter, committed: list[int], shape: TreeShape, ma
         frontier.sort()
         logits = drafter.expand(tree, frontier)
     drafter.finish()
-    if isinstance(shape, DynamicTree) and len(tree) > shape.nodes:
-        # A child is never more probable than its parent and comes after it, so the best `nodes` by
-        # (probability, creation order) include every kept node's ancestors.
-        keep = sorted(sorted(range(len(tree)), key=lambda i: (-scores[i], i))[: shape.nodes])
-        tree = tree.subtree(keep)
-    return tree, drafter.forwards - forwards
+    forwards = drafter.forwards - forwards
+    if isinstance(shape, DynamicTree):
+        budget = shape.nodes or _auto_budget(drafter, scores, forwards)
+        if len(tree) > budget:
+            # A child is never more probable than its parent and comes after it, so the best `budget` by
+            # (probability, creation order) include every kept node's ancestors.
+            keep = sorted(sorted(range(len(tree)), key=lambda i: (-scores[i], i))[:budget])
+            tree = tree.subtree(keep)
+    return tree, forwards
+
+
+def _auto_budget(drafter: LevelDrafter, scores: dict[int, float], forwards: int) -> int:
+    if drafter.costs is None:
+        raise TreeShapeError("nodes=auto chooses each tree's size from the measured cost model: set the "
+                             "proposer's costs (c, r) first (eval-speedup does), or give a node count")
+    c, r = drafter.costs
+    return best_budget([math.exp(v) for node, v in scores.items() if node >= 0], forwards, c, r)
 
 
 def _add_children(tree: TokenTree, parents: list[int], logits: torch.Tensor, width: int, sampling: SamplingParams,
@@ -106,7 +121,7 @@ class DraftTreeProposer:
         check_tree_runner(runner, "draft")
         self.chain = DraftProposer(runner)  # reset, rollback and the draft's readable ids
         self.runner, self.draft_ids, self.max_length = runner, self.chain.draft_ids, runner.max_length
-        self.forwards = 0
+        self.forwards, self.costs = 0, None
 
     def reset(self, prompt_ids: list[int]) -> None:
         self.chain.reset(prompt_ids)
@@ -140,7 +155,7 @@ class FeatureTreeProposer:
 
     def __init__(self, proposer: FeatureProposer):
         self.chain = proposer  # the target's hidden states, the catch-up, reset and rollback
-        self.draft_ids, self.max_length = proposer.draft_ids, proposer.max_length
+        self.draft_ids, self.max_length, self.costs = proposer.draft_ids, proposer.max_length, None
 
     @property
     def forwards(self) -> int:

@@ -109,3 +109,32 @@ def test_the_feature_runner_keeps_the_layers_the_draft_reads(feature_folder):
     runner.forward(torch.tensor([1, 2, 3]), 1)
     assert runner.hidden_states.shape == (3, 2, 64)
     assert make_runner(target, 49152).hidden_layers == ()
+
+
+def test_trees_of_both_draft_kinds_beside_their_chains(tmp_path, feature_folder, one_thread):
+    trees = ["2x1", "dynamic:depth=3,branch=2,nodes=auto"]
+    report = eval_speedup(tmp_path, "draft=tiny:draft", f"eval.feature_draft={feature_folder}",
+                          f"eval.trees=[{trees[0]}, '{trees[1]}']")
+    rows = {(r["proposer"], r["tree"], r["temperature"]): r for r in report["results"]}
+    assert set(rows) == {(p, tree, t) for p in ("draft", "feature") for tree in (None, *trees) for t in (0.0, 0.7)}
+    assert all(r["greedy_identical"] for r in report["results"] if r["temperature"] == 0)
+    for (proposer, tree, _), row in rows.items():
+        assert row["k"] == (2 if tree in (None, "2x1") else 3)
+        assert 1 <= row["tau"] <= row["k"] + 1 and row["predicted_speedup"] > 0
+        if tree == "2x1":  # 2 children at depth 1, one each below: 4 nodes (fewer near the end)
+            assert 1 < row["verified_per_forward"] <= 4
+        if tree and tree.startswith("dynamic"):  # the budget the cost model chose: 1..14 nodes (none in a last block)
+            assert 0 < row["verified_per_forward"] <= 14
+    for cost in (report["cost_model"], report["feature_cost_model"]["start"]):
+        assert set(map(int, cost["r"])) == {1, 2, 12, 14}  # chains' k, then node counts up to the largest tree's
+    markdown = (tmp_path / "report.md").read_text()
+    assert "| draft | 3 | dynamic:depth=3,branch=2,nodes=auto |" in markdown
+    assert (tmp_path / "chains_vs_trees.png").stat().st_size > 0
+
+
+def test_a_bad_tree_is_refused_before_any_model_loads(tmp_path, monkeypatch):
+    monkeypatch.setattr("decode.bench.load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(ConfigError, match="eval.trees: tree '3x0': every depth needs at least one child"):
+        eval_speedup(tmp_path, "draft=tiny:draft", "eval.trees=[3x0]")
+    with pytest.raises(ConfigError, match="node budget of 0"):
+        eval_speedup(tmp_path, "draft=tiny:draft", "eval.trees=['dynamic:depth=2,branch=2,nodes=0']")
