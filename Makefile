@@ -7,7 +7,7 @@ NPROC  ?= 1
 # Multi-process runs use torchrun (on CPU, `accelerate launch --cpu` runs a single process).
 LAUNCH  = $(if $(filter-out 1,$(NPROC)),$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) -m,$(PY) -m)
 
-.PHONY: setup test test-fast demo demo-feature generate-data distill features eval-speedup clean
+.PHONY: setup test test-fast demo demo-feature generate-data distill features eval-speedup docs clean
 
 setup: $(VENV)/.installed
 
@@ -50,6 +50,10 @@ demo-feature: setup
 	$(MAKE) features CONFIG=$(FEATURE_CONFIG) ARGS="$(ARGS)"
 	$(MAKE) distill CONFIG=$(FEATURE_CONFIG) ARGS="$(ARGS)"
 	$(MAKE) eval-speedup CONFIG=$(FEATURE_CONFIG) ARGS="$(ARGS)"
+
+# docs/configuration.md, generated from the config classes (tests/test_docs.py checks it is current).
+docs: setup
+	$(PY) -m decode.config_reference > docs/configuration.md.tmp && mv docs/configuration.md.tmp docs/configuration.md
 
 clean:
 	rm -rf data/tiny runs/tiny
