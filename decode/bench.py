@@ -44,7 +44,7 @@ from decode.models import (TOKENIZER_FILES, check_tokenizers, load_model, load_t
 from decode.precision import DtypeChoice, machine_class, resolve_decode_dtype
 from decode.progress import expectation
 from decode.prompts import evaluation_split, load_prompt_set, read_split_prompts
-from decode.proposers import Proposer, make_proposer
+from decode.proposers import LookupProposer, Proposer, make_proposer
 from decode.provenance import git_revision
 from decode.report import write_markdown, write_plots
 from decode.runners import Runner, make_runner
@@ -54,7 +54,7 @@ from decode.stats import SpeculativeStats, predicted_speedup
 from decode.timing import cost_model, timed, timing_reliability, verify_cost
 from decode.tree import TreeShape, parse_tree
 from decode.tree_decode import TreeProposer, tree_decode
-from decode.tree_proposers import DraftTreeProposer, FeatureTreeProposer
+from decode.tree_proposers import DraftTreeProposer, FeatureTreeProposer, LookupTreeProposer
 from decode.tracking import start_wandb
 from decode.vocab import VocabSubset, model_vocab_size
 
@@ -88,7 +88,8 @@ class Setup:
     trees: list[TreeShape]
     """eval.trees, parsed."""
     tree_proposers: dict[str, TreeProposer]
-    """By draft kind ("draft", "feature"): each draft drafting trees (when eval.trees lists any)."""
+    """By report name, as `proposers`: each draft drafting trees (when eval.trees lists any), with prompt
+    lookup's guess as one more branch in the "+lookup" ones."""
     tree_runner: Runner | None
     """The target runner that verifies the standalone draft's trees (a masked forward: never the
     CUDA-graph replay)."""
@@ -178,6 +179,9 @@ def setup(cfg: Config) -> Setup:
         tree_proposers["draft"] = DraftTreeProposer(draft_runner)
     if trees and feature is not None:
         tree_proposers["feature"] = FeatureTreeProposer(FeatureProposer(feature_runner, feature, embeddings))
+    if ev.lookup_ngram:
+        for name in list(tree_proposers):
+            tree_proposers[f"{name}+lookup"] = LookupTreeProposer(LookupProposer(ev.lookup_ngram), tree_proposers[name])
     return Setup(cfg, device, tokenizer, target, draft, feature, prompt_sets, target_runner, draft_runner,
                  feature_runner, proposers, out_dir=Path(ev.out_dir or Path(cfg.distill.out_dir) / "eval"),
                  dtype=precision, trees=trees, tree_proposers=tree_proposers, tree_runner=tree_runner)
@@ -303,8 +307,9 @@ def measure_costs(s: Setup) -> dict[str, dict]:
     if s.feature is not None:
         steps = FeatureDraftSteps(s.feature, s.target.get_input_embeddings().weight)
         costs["feature"] = cost_model(s.feature_runner, steps, context, ks)
-    for kind, proposer in s.tree_proposers.items():
-        proposer.costs = (costs[kind]["c"], functools.partial(verify_cost, costs[kind]["r"]))
+    for name, proposer in s.tree_proposers.items():
+        cost = costs[draft_kind(name)]
+        proposer.costs = (cost["c"], functools.partial(verify_cost, cost["r"]))
     return costs
 
 

@@ -162,11 +162,14 @@ class TokenTree:
     depths: list[int] = field(default_factory=list)
     children: dict[int, list[int]] = field(default_factory=dict)
     """Children of each node (-1: the root), in the order they are tried."""
+    looked_up: list[bool] = field(default_factory=list)
+    """Per node, whether prompt lookup proposed it (no draft forward)."""
 
-    def add(self, token: int, parent: int, probs: torch.Tensor | None = None) -> int:
+    def add(self, token: int, parent: int, probs: torch.Tensor | None = None, looked_up: bool = False) -> int:
         self.tokens.append(token)
         self.parents.append(parent)
         self.draft_probs.append(probs)
+        self.looked_up.append(looked_up)
         self.depths.append(1 if parent < 0 else self.depths[parent] + 1)
         self.children.setdefault(parent, []).append(len(self.tokens) - 1)
         return len(self.tokens) - 1
@@ -187,7 +190,7 @@ class TokenTree:
         tree = TokenTree()
         for old in keep:
             parent = self.parents[old]
-            tree.add(self.tokens[old], index[parent] if parent >= 0 else -1, self.draft_probs[old])
+            tree.add(self.tokens[old], index[parent] if parent >= 0 else -1, self.draft_probs[old], self.looked_up[old])
         return tree
 
 

@@ -129,4 +129,5 @@ def _record(stats: SpeculativeStats, tree: TokenTree, path: list[int], emitted: 
     accepted = min(len(path), len(emitted))
     tried = len(path) + (1 if tree.children.get(path[-1] if path else -1) else 0)
     stats.record_block(proposed=len(tree), tried=min(tried, len(emitted)), accepted=accepted,
-                       emitted=len(emitted), draft_forwards=draft_forwards)
+                       emitted=len(emitted), draft_forwards=draft_forwards, looked_up=sum(tree.looked_up),
+                       looked_up_accepted=sum(tree.looked_up[i] for i in path[:accepted]))

@@ -4,6 +4,7 @@
                       probable nodes by cumulative draft probability, keep the `nodes` most probable)
   DraftTreeProposer   a standalone draft LM: each level's nodes go through one masked forward
   FeatureTreeProposer the feature draft: each level reads its parents' outputs in one masked forward
+  LookupTreeProposer  either of them with prompt lookup's guess as one more branch from the root
 
 A node's children are its draft distribution's most probable tokens (the temperature's warped
 distribution at T > 0; the plain softmax ranks them at T = 0). They are chosen deterministically,
@@ -21,7 +22,7 @@ from typing import Protocol
 import torch
 
 from decode.feature_proposer import FeatureProposer
-from decode.proposers import DraftProposer
+from decode.proposers import DraftProposer, LookupProposer
 from decode.runners import Runner
 from decode.sampling import SamplingParams
 from decode.tree import (DynamicTree, StaticTree, TokenTree, TreeShape, TreeShapeError, best_budget,
@@ -190,3 +191,39 @@ class FeatureTreeProposer:
 
     def finish(self) -> None:
         self.chain.cache.rollback(self.prefix_end)
+
+
+class LookupTreeProposer:
+    """A tree proposer with prompt lookup's guess (decode/lookup.py: the tokens that followed the last
+    n-gram earlier in the text) as one more branch from the root, as deep as the tree, merged into the
+    draft's nodes where they coincide. Looked-up nodes cost no draft forward, and are tested as one-hots
+    like the draft's top children."""
+
+    def __init__(self, lookup: LookupProposer, proposer: DraftTreeProposer | FeatureTreeProposer):
+        self.lookup, self.proposer = lookup, proposer
+        self.draft_ids, self.max_length = proposer.draft_ids, proposer.max_length
+
+    @property
+    def costs(self):
+        return self.proposer.costs
+
+    @costs.setter
+    def costs(self, value) -> None:
+        self.proposer.costs = value
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        self.lookup.reset(prompt_ids)
+        self.proposer.reset(prompt_ids)
+
+    def rollback(self, n_committed: int) -> None:
+        self.proposer.rollback(n_committed)
+
+    def propose_tree(self, committed: list[int], shape: TreeShape, max_depth: int, sampling: SamplingParams,
+                     generator: torch.Generator | None) -> tuple[TokenTree, int]:
+        tree, forwards = self.proposer.propose_tree(committed, shape, max_depth, sampling, generator)
+        node, guessed = -1, []
+        while len(guessed) < min(shape.depth, max_depth) and (token := self.lookup.guess(committed, guessed)) is not None:
+            guessed.append(token)
+            same = next((c for c in tree.children.get(node, ()) if tree.tokens[c] == token), None)
+            node = same if same is not None else tree.add(token, node, looked_up=True)
+        return tree, forwards

@@ -16,7 +16,8 @@ from decode.speculative import target_decode
 from decode.tree import (MAX_TREE_NODES, DynamicTree, StaticTree, TokenTree, TreeShapeError, ancestors,
                          parse_tree, tree_window)
 from decode.tree_decode import tree_decode, verify_tree, verify_tree_greedy
-from decode.tree_proposers import DraftTreeProposer, FeatureTreeProposer
+from decode.proposers import LookupProposer
+from decode.tree_proposers import DraftTreeProposer, FeatureTreeProposer, LookupTreeProposer
 from tests.conftest import negated_copy, random_feature_draft, small_llama, subset_llama
 
 PROMPT = torch.tensor([[0, 3, 7, 2, 9]])
@@ -229,3 +230,41 @@ def test_a_tree_deeper_than_the_context_is_refused(pair):
     with pytest.raises(TreeShapeError, match="exceeds the model's context of 12"):
         tree_decode(target_runner, DraftTreeProposer(draft_runner), PROMPT, shape=parse_tree("2x1x1x1"),
                     max_new_tokens=5, sampling=SamplingParams())
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_lookup_branch_joins_the_tree_and_stays_lossless(pair, shape):
+    target, draft = pair
+    repetitive = torch.tensor([[0, 3, 7, 2, 9, 3, 7, 2, 9, 3]])
+    target_runner, draft_runner = build_runners(target, draft, "lean")
+    proposer = LookupTreeProposer(LookupProposer(3), DraftTreeProposer(draft_runner))
+    base = target_decode(target_runner, repetitive, max_new_tokens=20, sampling=SamplingParams())
+    out = tree_decode(target_runner, proposer, repetitive, shape=parse_tree(shape), max_new_tokens=20,
+                      sampling=SamplingParams())
+    assert out.tokens.tolist() == base.tolist()
+    assert out.stats.looked_up > 0  # 3 7 2 9 repeats: lookup guesses the tokens that followed it
+    sampling = SamplingParams(temperature=1.0)
+    spec = continuations(lambda g: tree_decode(target_runner, proposer, repetitive, shape=parse_tree(shape),
+                                               max_new_tokens=3, sampling=sampling, generator=g).tokens, 1000, seed=1)
+    base = continuations(lambda g: target_decode(target_runner, repetitive, max_new_tokens=3, sampling=sampling,
+                                                 generator=g), 1000, seed=2)
+    assert two_sample_pvalue(spec, base) > 1e-4
+
+
+def test_a_tree_with_lookup_adds_at_most_its_depth_in_nodes():
+    tree = example_tree()
+
+    class Guesses:  # looks up 5 -> 7 -> 1 -> 1: two nodes exist, two are new
+        def guess(self, committed, drafted):
+            return [5, 7, 1, 1][len(drafted)]
+
+    class Fixed:
+        draft_ids, max_length, costs = None, None, None
+
+        def propose_tree(self, *args):
+            return example_tree(), 2
+
+    proposer = LookupTreeProposer(Guesses(), Fixed())
+    grown, forwards = proposer.propose_tree([0], StaticTree((1, 1, 1)), 10, SamplingParams(), None)
+    assert forwards == 2 and grown.tokens == tree.tokens + [1]  # depth 3: 5 -> 7 -> new 1
+    assert grown.parents[-1] == 3 and grown.looked_up == [False] * len(tree) + [True]
