@@ -7,6 +7,8 @@ so each node's logits are those a chain ending in that node would give.
 
 Shapes (`parse_tree`), written in eval.trees:
   "4x2x1x1"                         static: every node at depth d has b_d children (the draft's top b_d)
+  "sampled:4x2x1x1"                 the same shape, children drawn from the draft without replacement at
+                                    T > 0 (Sequoia, arXiv 2402.12374); the draft's top ones at T = 0
   "dynamic:depth=6,branch=4,nodes=24"
                                     EAGLE-2 (arXiv 2406.16858): at each depth expand the `branch`
                                     nodes of highest cumulative draft probability, `branch` children
@@ -35,6 +37,9 @@ class TreeShapeError(UserError):
 class StaticTree:
     branching: tuple[int, ...]
     """Children of every node at depth d (the root is depth 0)."""
+    sampled: bool = False
+    """At T > 0, draw each node's children from the draft without replacement (each tested against the
+    draft's distribution without its earlier siblings) instead of taking its most probable ones."""
 
     @property
     def depth(self) -> int:
@@ -46,7 +51,7 @@ class StaticTree:
 
     @property
     def label(self) -> str:
-        return "x".join(map(str, self.branching))
+        return ("sampled:" if self.sampled else "") + "x".join(map(str, self.branching))
 
     @property
     def max_nodes(self) -> int:
@@ -80,14 +85,19 @@ def parse_tree(spec: str) -> TreeShape:
     text = str(spec).strip()
     if text.startswith("dynamic:"):
         return _parse_dynamic(text)
+    sampled = text.startswith("sampled:")
+    if sampled and text[len("sampled:"):].startswith("dynamic:"):
+        raise TreeShapeError(f"tree {spec!r}: a dynamic tree keeps the nodes its draft rates most probable, "
+                             "which would bias drawn children; sampled children need a static shape")
+    text = text[len("sampled:"):] if sampled else text
     parts = text.split("x")
     if not text or not all(p.strip().isdigit() for p in parts):
-        raise TreeShapeError(f"tree {spec!r}: write children per depth as '4x2x1' or "
+        raise TreeShapeError(f"tree {spec!r}: write children per depth as '4x2x1' (or 'sampled:4x2x1'), or "
                              "'dynamic:depth=6,branch=4,nodes=24'")
     branching = tuple(int(p) for p in parts)
     if min(branching) < 1:
         raise TreeShapeError(f"tree {spec!r}: every depth needs at least one child per node")
-    shape = StaticTree(branching)
+    shape = StaticTree(branching, sampled)
     _check_nodes(spec, shape.nodes)
     return shape
 

@@ -24,7 +24,7 @@ import torch
 from decode.feature_proposer import FeatureProposer
 from decode.proposers import DraftProposer, LookupProposer
 from decode.runners import Runner
-from decode.sampling import SamplingParams
+from decode.sampling import SamplingParams, sample
 from decode.tree import (DynamicTree, StaticTree, TokenTree, TreeShape, TreeShapeError, best_budget,
                          check_tree_runner)
 
@@ -46,7 +46,7 @@ class LevelDrafter(Protocol):
 
 
 def build_tree(drafter: LevelDrafter, committed: list[int], shape: TreeShape, max_depth: int,
-               sampling: SamplingParams) -> tuple[TokenTree, int]:
+               sampling: SamplingParams, generator: torch.Generator | None = None) -> tuple[TokenTree, int]:
     """A tree of at most max_depth levels after `committed` and the draft forwards it took."""
     forwards, tree = drafter.forwards, TokenTree()
     depth = min(shape.depth, max_depth)
@@ -56,8 +56,12 @@ def build_tree(drafter: LevelDrafter, committed: list[int], shape: TreeShape, ma
     frontier, scores = [-1], {-1: 0.0}  # cumulative log draft probability of each node
     logits = logits[None]
     for d in range(depth):
-        width = shape.branching[d] if isinstance(shape, StaticTree) else shape.branch
-        new = _add_children(tree, frontier, logits, width, sampling, drafter.draft_ids, scores)
+        static = isinstance(shape, StaticTree)
+        width = shape.branching[d] if static else shape.branch
+        if static and shape.sampled and not sampling.greedy:
+            new = _draw_children(tree, frontier, sampling.warp(logits), width, drafter.draft_ids, generator, scores)
+        else:
+            new = _add_children(tree, frontier, logits, width, sampling, drafter.draft_ids, scores)
         if d == depth - 1 or not new:
             break
         frontier = new if isinstance(shape, StaticTree) else sorted(new, key=lambda i: -scores[i])[: shape.branch]
@@ -99,6 +103,27 @@ def _add_children(tree: TokenTree, parents: list[int], logits: torch.Tensor, wid
     return new
 
 
+def _draw_children(tree: TokenTree, parents: list[int], probs: torch.Tensor, width: int,
+                   draft_ids: torch.Tensor | None, generator: torch.Generator | None,
+                   scores: dict[int, float]) -> list[int]:
+    """Each parent's `width` children drawn from its warped draft distribution probs [F, N] without
+    replacement; child i keeps the distribution it was drawn from (the draft's without children 1..i-1)."""
+    new = []
+    for parent, row_probs in zip(parents, probs):
+        left = row_probs
+        for _ in range(width):
+            if not left.sum() > 0:  # fewer tokens than children in the warped support
+                break
+            drawn = left / left.sum()
+            row = int(sample(drawn, generator))
+            child = tree.add(row if draft_ids is None else int(draft_ids[row]), parent, drawn)
+            scores[child] = scores[parent] + math.log(float(row_probs[row]))
+            new.append(child)
+            left = left.clone()
+            left[row] = 0.0
+    return new
+
+
 def level_window(tree: TokenTree, nodes: list[int], slots: dict[int, int], prefix_end: int,
                  start: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions [m] and visibility [m, start + m] of `nodes` fed into slots start.. of a draft's cache
@@ -132,7 +157,7 @@ class DraftTreeProposer:
 
     def propose_tree(self, committed: list[int], shape: TreeShape, max_depth: int, sampling: SamplingParams,
                      generator: torch.Generator | None) -> tuple[TokenTree, int]:
-        return build_tree(self, committed, shape, max_depth, sampling)
+        return build_tree(self, committed, shape, max_depth, sampling, generator)
 
     def root(self, committed: list[int]) -> torch.Tensor:
         ids = self.chain.readable(committed[self.runner.length:])
@@ -170,7 +195,7 @@ class FeatureTreeProposer:
 
     def propose_tree(self, committed: list[int], shape: TreeShape, max_depth: int, sampling: SamplingParams,
                      generator: torch.Generator | None) -> tuple[TokenTree, int]:
-        return build_tree(self, committed, shape, max_depth, sampling)
+        return build_tree(self, committed, shape, max_depth, sampling, generator)
 
     def root(self, committed: list[int]) -> torch.Tensor | None:
         out = self.chain.out_before(committed)

@@ -22,6 +22,7 @@ from tests.conftest import negated_copy, random_feature_draft, small_llama, subs
 
 PROMPT = torch.tensor([[0, 3, 7, 2, 9]])
 SHAPES = ["3x2x1", "dynamic:depth=4,branch=3,nodes=8"]
+SAMPLED = ["3x2x1", "sampled:3x2x1", "dynamic:depth=4,branch=3,nodes=8"]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -30,12 +31,15 @@ def test_parse_tree_shapes():
     assert parse_tree("4x2x1x1").nodes == 4 + 8 + 8 + 8
     assert parse_tree("dynamic:depth=6,branch=4,nodes=24") == DynamicTree(6, 4, 24)
     assert parse_tree("2").depth == 1
+    assert parse_tree("sampled:4x2") == StaticTree((4, 2), sampled=True)
+    assert parse_tree("sampled:4x2").label == "sampled:4x2"
 
 
 @pytest.mark.parametrize("spec, says", [
     ("", "children per depth"), ("3x0x1", "at least one child"), ("3,2", "children per depth"),
     ("dynamic:depth=4,branch=2,nodes=0", "node budget of 0"), ("dynamic:depth=4,branch=2", "give depth, branch"),
     ("dynamic:depth=4,width=2,nodes=8", "dynamic:depth=D"), ("8x8", f"at most {MAX_TREE_NODES}"),
+    ("sampled:dynamic:depth=4,branch=2,nodes=8", "sampled children need a static shape"),
     (f"dynamic:depth=4,branch=2,nodes={MAX_TREE_NODES + 1}", f"at most {MAX_TREE_NODES}"),
 ])
 def test_bad_tree_shapes_are_refused(spec, says):
@@ -153,10 +157,12 @@ def two_sample_pvalue(a: Counter, b: Counter) -> float:
 
 
 @pytest.mark.parametrize("warp", [dict(temperature=1.0), dict(temperature=0.7, top_k=5, top_p=0.9)])
-@pytest.mark.parametrize("shape", SHAPES)
-def test_sampled_tree_sequences_match_target_only(pair, warp, shape):
+@pytest.mark.parametrize("shape, draft_kind", [(shape, "full") for shape in SAMPLED] + [("sampled:3x2x1", "subset")])
+def test_sampled_tree_sequences_match_target_only(pair, warp, shape, draft_kind):
     """Two-sample χ² on the joint histogram of 3-token continuations, tree against target-only."""
     target, draft = pair
+    if draft_kind == "subset":  # an old subset draft: rows sampled over its 9 ids, drawn children mapped to ids
+        draft = subset_llama([0, 1, 2, 3, 5, 7, 9, 11, 13], 16)
     target_runner, draft_runner = build_runners(target, draft, "lean")
     proposer, sampling, tree = DraftTreeProposer(draft_runner), SamplingParams(**warp), parse_tree(shape)
     spec = continuations(lambda g: tree_decode(target_runner, proposer, PROMPT, shape=tree, max_new_tokens=3,
