@@ -330,7 +330,7 @@ class EvalConfig:
     """Draft-tree shapes decoded next to the chains, with each draft kind alone (decode/tree.py):
     '4x2x1x1' (children per depth: the draft's top tokens) or 'dynamic:depth=6,branch=4,nodes=24'
     (EAGLE-2: expand the most probable nodes, keep the most probable `nodes`; nodes=auto: per tree, the
-    count the measured cost model predicts fastest). Empty: chains only."""
+    size and depth the measured cost model predicts fastest). Empty: chains only."""
     feature_draft: str | None = None
     """A feature draft folder (a `distill.draft_kind=feature` run's final/) measured next to `draft` on the
     same prompts, as 'feature' (and 'feature+lookup') rows; None: none. A `draft` that is itself a

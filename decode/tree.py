@@ -66,7 +66,7 @@ class DynamicTree:
     """Nodes expanded per depth, and children per expanded node."""
     nodes: int | None
     """Nodes kept (the most probable by cumulative draft probability); None ('auto'): per tree, the count
-    `best_budget` predicts fastest from the measured verification cost."""
+    `best_budget` predicts fastest from the measured costs, and no deeper than `deeper_pays` allows."""
 
     @property
     def label(self) -> str:
@@ -129,10 +129,10 @@ def _check_nodes(spec: str, nodes: int) -> None:
                              f"{MAX_TREE_NODES}")
 
 
-def best_budget(values: list[float], draft_forwards: int, c: float, r) -> int:
-    """The node count n (>= 1) that maximises predicted tokens per unit of time,
-    (1 + sum of the n largest `values`) / (draft_forwards * c + r(n)): a node's value, its cumulative
-    draft probability, stands for the chance the target accepts it (EAGLE-2's premise), c is a draft
+def best_budget(values: list[float], draft_forwards: int, c: float, r) -> tuple[int, float]:
+    """The node count n (>= 1) that maximises predicted tokens per unit of time, and that rate:
+    (1 + sum of the n largest `values`) / (draft_forwards * c + r(n)). A node's value, its cumulative
+    draft probability, stands for the chance the target accepts it (EAGLE-2's premise); c is a draft
     forward and r(n) the verification of n nodes, both in target steps (decode/timing.py)."""
     best, best_rate, tokens = 1, 0.0, 1.0
     for n, value in enumerate(sorted(values, reverse=True)[:MAX_TREE_NODES], start=1):
@@ -140,7 +140,15 @@ def best_budget(values: list[float], draft_forwards: int, c: float, r) -> int:
         rate = tokens / (draft_forwards * c + r(n))
         if rate > best_rate:
             best, best_rate = n, rate
-    return best
+    return best, best_rate
+
+
+def deeper_pays(values: list[float], frontier_best: float, draft_forwards: int, c: float, r) -> bool:
+    """Whether one more level can raise `best_budget`'s rate: its best node, worth at most the best value
+    of the nodes it grows from, joins the best tree so far for one more draft forward."""
+    n, rate = best_budget(values, draft_forwards, c, r)
+    tokens = 1 + sum(sorted(values, reverse=True)[:n])
+    return (tokens + frontier_best) / ((draft_forwards + 1) * c + r(n + 1)) > rate
 
 
 def check_tree_runner(runner, role: str) -> None:

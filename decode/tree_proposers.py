@@ -26,7 +26,7 @@ from decode.proposers import DraftProposer, LookupProposer
 from decode.runners import Runner
 from decode.sampling import SamplingParams, sample
 from decode.tree import (DynamicTree, StaticTree, TokenTree, TreeShape, TreeShapeError, best_budget,
-                         check_tree_runner)
+                         check_tree_runner, deeper_pays)
 
 
 class LevelDrafter(Protocol):
@@ -64,7 +64,9 @@ def build_tree(drafter: LevelDrafter, committed: list[int], shape: TreeShape, ma
             new = _add_children(tree, frontier, logits, width, sampling, drafter.draft_ids, scores)
         if d == depth - 1 or not new:
             break
-        frontier = new if isinstance(shape, StaticTree) else sorted(new, key=lambda i: -scores[i])[: shape.branch]
+        frontier = new if static else sorted(new, key=lambda i: -scores[i])[: shape.branch]
+        if not static and shape.nodes is None and not _deeper_pays(drafter, scores, frontier, d + 1):
+            break
         frontier.sort()
         logits = drafter.expand(tree, frontier)
     drafter.finish()
@@ -79,12 +81,25 @@ def build_tree(drafter: LevelDrafter, committed: list[int], shape: TreeShape, ma
     return tree, forwards
 
 
-def _auto_budget(drafter: LevelDrafter, scores: dict[int, float], forwards: int) -> int:
+def _costs(drafter: LevelDrafter) -> tuple[float, Callable[[float], float]]:
     if drafter.costs is None:
         raise TreeShapeError("nodes=auto chooses each tree's size from the measured cost model: set the "
                              "proposer's costs (c, r) first (eval-speedup does), or give a node count")
-    c, r = drafter.costs
-    return best_budget([math.exp(v) for node, v in scores.items() if node >= 0], forwards, c, r)
+    return drafter.costs
+
+
+def _values(scores: dict[int, float]) -> list[float]:
+    return [math.exp(v) for node, v in scores.items() if node >= 0]
+
+
+def _auto_budget(drafter: LevelDrafter, scores: dict[int, float], forwards: int) -> int:
+    """nodes=auto: the node count the cost model predicts fastest for this tree."""
+    return best_budget(_values(scores), forwards, *_costs(drafter))[0]
+
+
+def _deeper_pays(drafter: LevelDrafter, scores: dict[int, float], frontier: list[int], forwards: int) -> bool:
+    """nodes=auto grows the tree one level deeper only where the cost model says it can pay."""
+    return deeper_pays(_values(scores), math.exp(max(scores[i] for i in frontier)), forwards, *_costs(drafter))
 
 
 def _add_children(tree: TokenTree, parents: list[int], logits: torch.Tensor, width: int, sampling: SamplingParams,

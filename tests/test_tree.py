@@ -13,7 +13,8 @@ from decode.runners import make_runner
 from decode.runners.graphs import GraphRunner
 from decode.sampling import SamplingParams, sample
 from decode.speculative import target_decode
-from decode.tree import (MAX_TREE_NODES, DynamicTree, StaticTree, TokenTree, TreeShapeError, ancestors,
+from decode.tree import (MAX_TREE_NODES, DynamicTree, StaticTree, TokenTree, TreeShapeError, ancestors, best_budget,
+                         deeper_pays,
                          parse_tree, tree_window)
 from decode.tree_decode import tree_decode, verify_tree, verify_tree_greedy
 from decode.proposers import LookupProposer
@@ -274,3 +275,35 @@ def test_a_tree_with_lookup_adds_at_most_its_depth_in_nodes():
     grown, forwards = proposer.propose_tree([0], StaticTree((1, 1, 1)), 10, SamplingParams(), None)
     assert forwards == 2 and grown.tokens == tree.tokens + [1]  # depth 3: 5 -> 7 -> new 1
     assert grown.parents[-1] == 3 and grown.looked_up == [False] * len(tree) + [True]
+
+
+def test_best_budget_weighs_values_against_the_verification_cost():
+    values = [0.9, 0.5, 0.3, 0.05]
+    assert best_budget(values, 2, 0.0, lambda n: 1.0)[0] == 4  # verification free: every node pays
+    assert best_budget(values, 2, 0.0, lambda n: 1.0 + 0.4 * n)[0] == 1  # each node costs more than it gives
+    n, rate = best_budget(values, 2, 0.1, lambda n: 1.0 + 0.1 * n)
+    assert n == 3 and rate == pytest.approx((1 + 1.7) / (0.2 + 1.3))
+    assert deeper_pays(values, 0.3, 2, 0.01, lambda n: 1.0)
+    assert not deeper_pays(values, 0.3, 2, 0.5, lambda n: 1.0)  # one more draft forward costs more than 0.3
+
+
+@pytest.mark.parametrize("c, deep", [(0.001, True), (5.0, False)])
+def test_auto_tree_grows_deeper_only_where_the_cost_model_says_it_pays(pair, c, deep):
+    target, _ = pair
+    target_runner, draft_runner = build_runners(target, target, "lean")  # the target as its own draft
+    proposer = DraftTreeProposer(draft_runner)
+    proposer.costs = (c, lambda n: 1.0 + 0.01 * n)
+    shape = parse_tree("dynamic:depth=4,branch=2,nodes=auto")
+    out = tree_decode(target_runner, proposer, PROMPT, shape=shape, max_new_tokens=10, sampling=SamplingParams())
+    assert out.tokens.tolist() == target_decode(target_runner, PROMPT, max_new_tokens=10,
+                                                sampling=SamplingParams()).tolist()
+    per_tree = out.stats.draft_forwards / out.stats.target_forwards
+    assert per_tree > 2 if deep else per_tree == 1  # one draft forward: the root's children only
+
+
+def test_auto_tree_needs_the_cost_model(pair):
+    target, draft = pair
+    target_runner, draft_runner = build_runners(target, draft, "lean")
+    with pytest.raises(TreeShapeError, match="nodes=auto chooses each tree's size from the measured cost model"):
+        tree_decode(target_runner, DraftTreeProposer(draft_runner), PROMPT, max_new_tokens=4, sampling=SamplingParams(),
+                    shape=parse_tree("dynamic:depth=4,branch=2,nodes=auto"))
