@@ -28,6 +28,8 @@ import torch
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 # The GEMM timed each way: 128 rows (a generation batch) through SmolLM2-135M's MLP up-projection.
 PROBE_SHAPE = (128, 576, 1536)
+PROBE_ROUNDS = 9
+"""Timed calls of each dtype."""
 # bf16 must beat fp32 by this much to be chosen: a native bf16 GEMM ran ~4x faster, an emulated one
 # 5-6x slower, so the margin only keeps timing noise from picking bf16 where the two tie.
 BF16_MIN_SPEEDUP = 1.2
@@ -122,20 +124,26 @@ def cpu_flags() -> frozenset[str]:
 
 @functools.cache
 def bf16_gemm_speedup() -> float:
-    """fp32 time / bf16 time of one PROBE_SHAPE GEMM on this CPU (best of 5 after a warm-up: ~10-50 ms)."""
+    """fp32 time / bf16 time of one PROBE_SHAPE GEMM on one core of this CPU: the best of PROBE_ROUNDS
+    each, the two dtypes alternating after a warm-up (~30-150 ms). One thread, because the question is
+    what the core computes natively: on 2 cores with other work running, a 2-thread GEMM waits for
+    whichever thread is descheduled, and the ratio fell from 4.0 to 1.1-2.8 (one thread: 4.0 either way)."""
     m, k, n = PROBE_SHAPE
     generator = torch.Generator().manual_seed(0)
     x, w = torch.randn(m, k, generator=generator), torch.randn(n, k, generator=generator)
-    best = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        xd, wd = x.to(dtype), w.to(dtype)
-        torch.nn.functional.linear(xd, wd)
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            torch.nn.functional.linear(xd, wd)
-            times.append(time.perf_counter() - start)
-        best[dtype] = min(times)
+    operands = {dtype: (x.to(dtype), w.to(dtype)) for dtype in (torch.float32, torch.bfloat16)}
+    best = dict.fromkeys(operands, float("inf"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for round_ in range(PROBE_ROUNDS + 1):
+            for dtype, (xd, wd) in operands.items():
+                start = time.perf_counter()
+                torch.nn.functional.linear(xd, wd)
+                if round_:  # round 0 warms up (oneDNN picks and compiles its kernels on the first call)
+                    best[dtype] = min(best[dtype], time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
     return best[torch.float32] / best[torch.bfloat16]
 
 
