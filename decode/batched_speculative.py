@@ -1,0 +1,181 @@
+"""Speculative decoding of many requests at once (continuous batching), lossless per row.
+
+    outcomes = serve(target_runner, draft_runner, prompts, batch_size=4, k=4, max_new_tokens=64,
+                     sampling=SamplingParams(), generators=[...])
+
+Up to `batch_size` requests decode together on two RaggedRunners (decode/runners/ragged.py). Each
+round every live row drafts up to k tokens (one batched draft forward per position; a row stops early
+where the draft's most probable token has less than `p_min`), one batched target forward verifies every
+row's [last committed, drafted...], and each row keeps what the acceptance rule of decode/speculative.py
+accepts for it, drawing from its own generator, so a row's output does not depend on its neighbours.
+Rows that finish (EOS or max_new_tokens) leave; queued requests join. `draft_runner=None` is target-only
+decoding at the same batch size: the baseline a serving speedup is measured against.
+
+The invariants, per row: the target holds its committed text but the last token; the draft holds a
+prefix of committed + drafted text (`pending`: the committed tokens it has not read yet).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from decode.runners.ragged import RaggedRunner
+from decode.sampling import SamplingParams, sample
+from decode.speculative import cut_at_eos, eos_set, verify_block, verify_greedy
+from decode.stats import SpeculativeStats
+
+
+@dataclass
+class RowOutcome:
+    tokens: list[int]
+    """New tokens (prompt excluded)."""
+    stats: SpeculativeStats
+    seconds: float
+    """From the request joining the batch to its last token."""
+
+
+@dataclass
+class _Row:
+    request: int
+    committed: list[int]
+    prompt_len: int
+    generator: torch.Generator | None
+    stats: SpeculativeStats
+    started: float
+    pending: list[int] = field(default_factory=list)
+
+    @property
+    def produced(self) -> int:
+        return len(self.committed) - self.prompt_len
+
+
+def check_serving(batch_size: int, k: int, p_min: float) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch size must be an int >= 1, got {batch_size!r}")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"k must be an int >= 0 (0: target-only), got {k!r}")
+    if not 0 <= p_min < 1:
+        raise ValueError(f"p_min must lie in [0, 1) (0: always draft k), got {p_min}")
+
+
+def serve(target: RaggedRunner, draft: RaggedRunner | None, prompts: list[list[int]], *, batch_size: int, k: int,
+          max_new_tokens: int, sampling: SamplingParams, eos_token_id: int | list[int] | None = None,
+          generators: list[torch.Generator | None] | None = None, p_min: float = 0.0) -> list[RowOutcome]:
+    """Decode every prompt, `batch_size` at a time; outcomes in prompt order."""
+    check_serving(batch_size, k if draft is not None else 0, p_min)
+    eos = eos_set(eos_token_id)
+    generators = generators or [None] * len(prompts)
+    target.reset()
+    if draft is not None:
+        draft.reset()
+    queue, live, done = list(range(len(prompts))), [], {}
+    while queue or live:
+        joining = [queue.pop(0) for _ in range(min(batch_size - len(live), len(queue)))]
+        if joining:
+            live += _join(target, draft, prompts, joining, generators, max(k, 1))
+        if draft is not None and k > 0:
+            _speculative_round(target, draft, live, k, max_new_tokens, sampling, p_min)
+        else:
+            _target_round(target, live, sampling)
+        finished = [i for i, row in enumerate(live) if row.produced >= max_new_tokens
+                    or cut_at_eos(row.committed[row.prompt_len:], eos)[1]]
+        for i in finished:
+            row = live[i]
+            new, _ = cut_at_eos(row.committed[row.prompt_len:][:max_new_tokens], eos)
+            done[row.request] = RowOutcome(new, row.stats, time.perf_counter() - row.started)
+        if finished:
+            kept = torch.tensor([i for i in range(len(live)) if i not in finished], dtype=torch.long)
+            for runner in (target, draft):
+                if runner is not None:
+                    runner.keep(kept)
+            live = [live[i] for i in kept.tolist()]
+    return [done[i] for i in range(len(prompts))]
+
+
+def _join(target: RaggedRunner, draft: RaggedRunner | None, prompts: list[list[int]], joining: list[int],
+          generators: list, k: int) -> list[_Row]:
+    """New rows: each runner reads the prompt but its last token (the first round feeds that one)."""
+    texts = [list(prompts[i][:-1]) for i in joining]
+    target.add(texts)
+    if draft is not None:
+        draft.add(texts)
+    now = time.perf_counter()
+    return [_Row(i, list(prompts[i]), len(prompts[i]), generators[i], SpeculativeStats(k=k), now,
+                 pending=[prompts[i][-1]]) for i in joining]
+
+
+def _target_round(target: RaggedRunner, live: list[_Row], sampling: SamplingParams) -> None:
+    """One token per row: target-only decoding."""
+    tokens = torch.tensor([[row.committed[-1]] for row in live])
+    logits = target.forward(tokens, torch.ones(len(live), dtype=torch.long))[:, 0]  # [B, V]
+    for row, row_logits in zip(live, logits):
+        token = int(row_logits.argmax()) if sampling.greedy else int(sample(sampling.warp(row_logits), row.generator))
+        row.committed.append(token)
+        row.stats.record_block(proposed=0, tried=0, accepted=0, emitted=1, draft_forwards=0)
+
+
+def _speculative_round(target: RaggedRunner, draft: RaggedRunner, live: list[_Row], k: int, max_new_tokens: int,
+                       sampling: SamplingParams, p_min: float) -> None:
+    limits = [max(0, min(k, max_new_tokens - row.produced - 1)) for row in live]
+    drafted, draft_probs = _draft(draft, live, limits, sampling, p_min)
+    width = 1 + max(map(len, drafted))
+    tokens = torch.zeros(len(live), width, dtype=torch.long)
+    for i, (row, guess) in enumerate(zip(live, drafted)):
+        tokens[i, : 1 + len(guess)] = torch.tensor([row.committed[-1]] + guess)
+    counts = torch.tensor([1 + len(guess) for guess in drafted])
+    logits = target.forward(tokens, counts)  # [B, width, V]
+    keep_target, keep_draft = [], []
+    held = draft.lengths.tolist()
+    for i, (row, guess) in enumerate(zip(live, drafted)):
+        target_logits = logits[i, : 1 + len(guess)]
+        if sampling.greedy:
+            emitted, accepted = verify_greedy(guess, target_logits)
+        else:
+            emitted, accepted = verify_block(guess, draft_probs[i], sampling.warp(target_logits), row.generator)
+        before = len(row.committed)
+        row.committed += emitted
+        row.stats.record_block(proposed=len(guess), tried=min(len(guess), accepted + 1), accepted=accepted,
+                               emitted=len(emitted), draft_forwards=len(guess))
+        keep_target.append(len(row.committed) - 1)
+        kept = min(held[i], before + accepted)  # the draft read committed text, then the guesses
+        keep_draft.append(kept)
+        row.pending = row.committed[kept:]
+    target.truncate(torch.tensor(keep_target))
+    draft.truncate(torch.tensor(keep_draft))
+
+
+def _draft(draft: RaggedRunner, live: list[_Row], limits: list[int], sampling: SamplingParams,
+           p_min: float) -> tuple[list[list[int]], list[list[torch.Tensor | None]]]:
+    """Up to limits[i] tokens per row, one batched draft forward per position: every row first reads its
+    pending tokens, then its own last guess."""
+    drafted: list[list[int]] = [[] for _ in live]
+    draft_probs: list[list[torch.Tensor | None]] = [[] for _ in live]
+    active = [limit > 0 for limit in limits]
+    feed = [row.pending for row in live]
+    while any(active):
+        width = max(len(f) for f, on in zip(feed, active) if on)
+        tokens = torch.zeros(len(live), width, dtype=torch.long)
+        counts = torch.tensor([len(f) if on else 0 for f, on in zip(feed, active)])
+        for i, (f, on) in enumerate(zip(feed, active)):
+            if on:
+                tokens[i, : len(f)] = torch.tensor(f)
+        logits = draft.forward(tokens, counts)
+        last = logits[torch.arange(len(live)), (counts - 1).clamp(min=0)]  # [B, V]
+        for i, row in enumerate(live):
+            if not active[i]:
+                continue
+            if sampling.greedy:
+                token, probs = int(last[i].argmax()), None
+                confidence = float(last[i].float().softmax(-1).max()) if p_min else 1.0
+            else:
+                probs = sampling.warp(last[i])
+                token, confidence = int(sample(probs, row.generator)), float(probs.max())
+            drafted[i].append(token)
+            draft_probs[i].append(probs)
+            # A row stops after a guess its draft gave less than p_min (llama.cpp's p-min), or at its limit.
+            active[i] = len(drafted[i]) < limits[i] and confidence >= p_min
+        feed = [[guess[-1]] if guess else [] for guess in drafted]
+    return drafted, draft_probs

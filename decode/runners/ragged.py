@@ -1,0 +1,160 @@
+"""The lean Llama forward over many rows that each keep their own length: batched speculative decoding.
+
+Rows accept different numbers of drafted tokens, so their committed texts grow unevenly. This cache
+does not move anything to keep rows aligned: every forward writes its L tokens per row into the same
+new slots (length..length+L-1), and a validity mask [B, capacity] says which slots hold a row's text.
+Rolling a row back (`truncate`) only clears its mask bits; a row fed fewer than L tokens marks the
+rest invalid; a row joining later (`add`) fills fresh slots while the others' stay invalid. Each row's
+token keeps the rotary position of its place in that row's text, so attention over the valid slots
+is exactly the batch-1 forward of that row (tests compare them).
+
+Slots are used up by every forward whatever is kept: with k drafted tokens, ~k + 1 slots per verified
+block (64 new tokens at k = 4: a few hundred slots). The cache grows in CACHE_CHUNK steps.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from decode.runners.lean import CACHE_CHUNK
+from decode.runners.llama import LlamaCore
+from decode.runners.projection import CastProjection
+from decode.vocab import VocabSubset
+
+
+class RaggedCache:
+    """Keys and values [B, KV, capacity, D] per layer; valid [B, capacity]; next_position [B]."""
+
+    def __init__(self, core: LlamaCore):
+        self.core = core
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.valid = torch.zeros(0, 0, dtype=torch.bool, device=core.device)
+        self.next_position = torch.zeros(0, dtype=torch.long, device=core.device)
+        self.length = 0  # slots used (valid or not)
+        self.rope = core.rope_table(CACHE_CHUNK)
+
+    @property
+    def rows(self) -> int:
+        return self.valid.shape[0]
+
+    def reserve(self, rows: int, slots: int) -> None:
+        """Room for `rows` rows (new ones empty) and `slots` slots, keeping what is cached."""
+        c = self.core
+        capacity = self.valid.shape[1]
+        if rows <= self.rows and slots <= capacity:
+            return
+        capacity = max(capacity, -(-slots // CACHE_CHUNK) * CACHE_CHUNK)
+        shape = (rows, c.n_kv, capacity, c.head_dim)
+        for store in (self.keys, self.values):
+            for i in range(len(c.layers)):
+                grown = torch.zeros(shape, dtype=c.dtype, device=c.device)
+                if i < len(store):
+                    old = store[i]
+                    grown[: old.shape[0], :, : self.length] = old[:, :, : self.length]
+                    store[i] = grown
+                else:
+                    store.append(grown)
+        valid = torch.zeros(rows, capacity, dtype=torch.bool, device=c.device)
+        valid[: self.rows, : self.length] = self.valid[:, : self.length]
+        self.valid = valid
+        self.next_position = F.pad(self.next_position, (0, rows - self.next_position.shape[0]))
+        if capacity > self.rope.cos.shape[0]:
+            self.rope = c.rope_table(capacity)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window) -> torch.Tensor:
+        """q [b, L, H, D], k and v [b, L, KV, D] -> [b, L, H D] for cache rows `rows` at slots slot0.."""
+        rows, slot0, mask = window
+        b, L, H, D = q.shape
+        end = slot0 + L
+        self.keys[layer][rows, :, slot0:end] = k.transpose(1, 2)
+        self.values[layer][rows, :, slot0:end] = v.transpose(1, 2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), self.keys[layer][rows, :, :end],
+                                           self.values[layer][rows, :, :end], attn_mask=mask,
+                                           enable_gqa=H != k.shape[2])  # [b, H, L, D]
+        return a.transpose(1, 2).reshape(b, L, H * D)
+
+
+class RaggedRunner:
+    """Rows of different lengths over one `RaggedCache`. Logits are over the full vocabulary (a subset
+    draft's through VocabSubset.full_logits). Rows are cache rows: `keep` renumbers them."""
+
+    def __init__(self, model, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.subset = VocabSubset.of(model)
+        head_rows = self.subset.head_rows if self.subset is not None else vocab_size
+        self.core = LlamaCore(model, head_rows, lambda w, bias: CastProjection(w, bias, None))
+        self.device = self.core.device
+        self.max_length = getattr(model.config, "max_position_embeddings", None) or 10**9
+        self.reset()
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """[B] tokens each row holds."""
+        return self.cache.next_position
+
+    @torch.inference_mode()
+    def reset(self) -> None:
+        self.cache = RaggedCache(self.core)
+
+    @torch.inference_mode()
+    def add(self, texts: list[list[int]]) -> torch.Tensor:
+        """New rows holding `texts` (may be empty); returns their row indices."""
+        first = self.cache.rows
+        self.cache.reserve(first + len(texts), self.cache.length)
+        rows = torch.arange(first, first + len(texts), device=self.device)
+        longest = max(map(len, texts))
+        if longest:
+            tokens = torch.zeros(len(texts), longest, dtype=torch.long)
+            for i, text in enumerate(texts):
+                tokens[i, : len(text)] = torch.tensor(text, dtype=torch.long)
+            self.forward(tokens, torch.tensor([len(t) for t in texts]), rows, logits=False)
+        return rows
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, counts: torch.Tensor, rows: torch.Tensor | None = None,
+                logits: bool = True) -> torch.Tensor | None:
+        """Feed tokens [b, L] to cache rows `rows` (default all), row i's first counts[i] of them (the rest
+        are padding, never attended). Returns fp32 logits [b, L, vocab_size] (rows of padding: garbage)."""
+        cache = self.cache
+        rows = torch.arange(cache.rows, device=self.device) if rows is None else rows.to(self.device)
+        tokens, counts = tokens.to(self.device), counts.to(self.device)
+        b, L = tokens.shape
+        slot0 = cache.length
+        cache.reserve(cache.rows, slot0 + L)
+        new = torch.arange(L, device=self.device)[None, :] < counts[:, None]  # [b, L] real tokens
+        positions = cache.next_position[rows, None] + torch.arange(L, device=self.device)  # [b, L]
+        cache.valid[rows, slot0 : slot0 + L] = new
+        # Query i of row r attends the row's valid slots up to its own; a padding query attends itself only.
+        causal = torch.ones(L, L, dtype=torch.bool, device=self.device).tril()
+        seen = cache.valid[rows, None, : slot0 + L].expand(b, L, slot0 + L).clone()  # [b, L, S]
+        seen[:, :, slot0:] &= causal
+        seen[:, torch.arange(L), slot0 + torch.arange(L)] |= ~new
+        ids = tokens if self.subset is None else self.subset.rows(tokens)
+        x, _ = self.core.decoder_layers(ids, positions, cache,
+                                        (rows, slot0, seen[:, None]))
+        cache.next_position[rows] += counts
+        cache.length = slot0 + L
+        if not logits:
+            return None
+        out = self.core.logits(self.core.norm(x))  # [b, L, head rows]
+        return out if self.subset is None else self.subset.full_logits(out)
+
+    @torch.inference_mode()
+    def truncate(self, lengths: torch.Tensor) -> None:
+        """Row i keeps its first lengths[i] tokens (the slots after them stop counting)."""
+        cache = self.cache
+        lengths = lengths.to(self.device)
+        cache.valid &= cache.valid.cumsum(-1) <= lengths[:, None]
+        cache.next_position = torch.minimum(cache.next_position, lengths)
+
+    @torch.inference_mode()
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep only cache rows `rows`, in that order (finished rows stop costing compute)."""
+        cache = self.cache
+        rows = rows.to(self.device)
+        for store in (cache.keys, cache.values):
+            for i, layer in enumerate(store):
+                store[i] = layer[rows]
+        cache.valid, cache.next_position = cache.valid[rows], cache.next_position[rows]

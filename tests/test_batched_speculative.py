@@ -1,0 +1,119 @@
+"""Batched speculative decoding (decode/batched_speculative.py) over RaggedRunners (decode/runners/ragged.py):
+rows of different lengths equal their batch-1 forwards, every row's greedy output equals batch-1 target-only
+decoding, sampled rows follow the target (χ²), rows join and leave, bad input is refused."""
+
+from collections import Counter
+
+import pytest
+import torch
+from scipy import stats as scipy_stats
+
+from decode.api import build_runners
+from decode.batched_speculative import serve
+from decode.proposers import DraftProposer
+from decode.runners import make_runner
+from decode.runners.ragged import RaggedRunner
+from decode.sampling import SamplingParams
+from decode.speculative import speculative_decode, target_decode
+from tests.conftest import small_llama, subset_llama
+
+PROMPTS = [[0, 3, 7, 2, 9], [5], [4, 4, 8], [2, 9, 3, 7, 2, 9, 3], [6, 1, 0, 12]]
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_ragged_rows_equal_their_batch1_forwards():
+    model = small_llama(seed=0, layers=2)
+    ragged, lean = RaggedRunner(model, 16), make_runner(model, 16, "lean")
+
+    def check(logits, texts_and_rows):
+        for text, row, n in texts_and_rows:
+            lean.reset()
+            torch.testing.assert_close(logits[row, :n], lean.forward(torch.tensor(text), n), rtol=1e-4, atol=1e-4)
+
+    ragged.add([[0, 3, 7], [5], []])
+    out = ragged.forward(torch.tensor([[2, 9, 1], [4, 0, 0], [6, 6, 0]]), torch.tensor([3, 1, 2]))
+    check(out, [([0, 3, 7, 2, 9, 1], 0, 3), ([5, 4], 1, 1), ([6, 6], 2, 2)])
+    ragged.truncate(torch.tensor([4, 2, 1]))  # row 0 keeps 0 3 7 2, row 2 keeps 6
+    assert ragged.lengths.tolist() == [4, 2, 1]
+    out = ragged.forward(torch.tensor([[8], [8], [8]]), torch.tensor([1, 1, 1]))
+    check(out, [([0, 3, 7, 2, 8], 0, 1), ([5, 4, 8], 1, 1), ([6, 8], 2, 1)])
+    ragged.keep(torch.tensor([2, 0]))
+    ragged.add([[11, 12]])  # a row joining later, into fresh slots
+    out = ragged.forward(torch.tensor([[1], [1], [1]]), torch.tensor([1, 1, 1]))
+    check(out, [([6, 8, 1], 0, 1), ([0, 3, 7, 2, 8, 1], 1, 1), ([11, 12, 1], 2, 1)])
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 5])
+@pytest.mark.parametrize("k, p_min", [(0, 0.0), (3, 0.0), (4, 0.6)])
+@pytest.mark.parametrize("draft_kind", ["full", "subset"])
+def test_every_rows_greedy_output_equals_batch1_target_only(pair, batch_size, k, p_min, draft_kind):
+    target, draft = pair
+    if draft_kind == "subset":
+        draft = subset_llama([0, 1, 2, 3, 5, 7, 9, 11, 13], 16, spread_other=True)
+    outcomes = serve(RaggedRunner(target, 16), RaggedRunner(draft, 16), PROMPTS, batch_size=batch_size, k=k,
+                     max_new_tokens=12, sampling=SamplingParams(), eos_token_id=15, p_min=p_min)
+    lean = make_runner(target, 16, "lean")
+    for prompt, outcome in zip(PROMPTS, outcomes):
+        expected = target_decode(lean, torch.tensor([prompt]), max_new_tokens=12, sampling=SamplingParams(),
+                                 eos_token_id=15)
+        assert outcome.tokens == expected.tolist()
+        assert outcome.stats.emitted >= len(outcome.tokens) and outcome.seconds > 0
+        if k:
+            assert outcome.stats.draft_forwards == outcome.stats.proposed
+            assert outcome.stats.proposed <= k * outcome.stats.target_forwards
+
+
+def test_a_draft_equal_to_the_target_accepts_every_guess(pair):
+    target, _ = pair
+    outcomes = serve(RaggedRunner(target, 16), RaggedRunner(target, 16), PROMPTS[:3], batch_size=3, k=3,
+                     max_new_tokens=12, sampling=SamplingParams())
+    for outcome in outcomes:  # 12 tokens in blocks of 3 accepted + 1
+        assert outcome.stats.target_forwards == 3 and outcome.stats.accepted == 9
+
+
+@pytest.mark.parametrize("warp", [dict(temperature=1.0), dict(temperature=0.7, top_k=5, top_p=0.9)])
+def test_each_sampled_row_follows_the_target(pair, warp):
+    """Two-sample χ² on 3-token continuations of row 1 of a batch of 3 (its neighbours decoding too)."""
+    target, draft = pair
+    t_runner, d_runner, lean = RaggedRunner(target, 16), RaggedRunner(draft, 16), make_runner(target, 16, "lean")
+    sampling = SamplingParams(**warp)
+    gen = torch.Generator().manual_seed(1)
+    spec = Counter()
+    for _ in range(800):
+        generators = [torch.Generator().manual_seed(int(torch.randint(2**31, (), generator=gen))) for _ in range(3)]
+        outcomes = serve(t_runner, d_runner, PROMPTS[:3], batch_size=3, k=2, max_new_tokens=3, sampling=sampling,
+                         generators=generators)
+        spec[tuple(outcomes[1].tokens)] += 1
+    base_gen = torch.Generator().manual_seed(2)
+    base = Counter(tuple(target_decode(lean, torch.tensor([PROMPTS[1]]), max_new_tokens=3, sampling=sampling,
+                                       generator=base_gen).tolist()) for _ in range(800))
+    cells = sorted(set(spec) | set(base))
+    frequent = [c for c in cells if spec[c] + base[c] >= 10]
+    rare = [c for c in cells if c not in frequent]
+    rows = [[x[c] for c in frequent] + [sum(x[c] for c in rare)] for x in (spec, base)]
+    assert scipy_stats.chi2_contingency(rows).pvalue > 1e-4
+
+
+@pytest.mark.parametrize("kwargs, says", [(dict(batch_size=0), "batch size must be an int >= 1"),
+                                           (dict(k=-1), "k must be an int >= 0"),
+                                           (dict(p_min=1.0), r"p_min must lie in \[0, 1\)")])
+def test_bad_serving_arguments_are_refused(pair, kwargs, says):
+    target, draft = pair
+    args = dict(batch_size=2, k=2, max_new_tokens=4, sampling=SamplingParams()) | kwargs
+    with pytest.raises(ValueError, match=says):
+        serve(RaggedRunner(target, 16), RaggedRunner(draft, 16), PROMPTS, **args)
+
+
+def test_each_row_accepts_what_batch1_speculative_decoding_accepts(pair):
+    """Greedy, the same draft: every row proposes and accepts exactly as the batch-1 chain does, so the
+    draft's cache holds each row's committed text and guesses as the batch-1 draft's does."""
+    target, draft = pair
+    outcomes = serve(RaggedRunner(target, 16), RaggedRunner(draft, 16), PROMPTS, batch_size=3, k=3,
+                     max_new_tokens=16, sampling=SamplingParams())
+    target_runner, draft_runner = build_runners(target, draft, "lean")
+    for prompt, outcome in zip(PROMPTS, outcomes):
+        single = speculative_decode(target_runner, DraftProposer(draft_runner), torch.tensor([prompt]), k=3,
+                                    max_new_tokens=16, sampling=SamplingParams())
+        assert outcome.tokens == single.tokens.tolist()
+        assert outcome.stats.accept_length_hist == single.stats.accept_length_hist
+    assert sum(o.stats.accepted for o in outcomes) > 0
