@@ -50,6 +50,7 @@ from decode.report import write_markdown, write_plots
 from decode.runners import Runner, make_runner
 from decode.sampling import SamplingParams
 from decode.speculative import speculative_decode, target_decode
+from decode.serving import check_serving_memory, measure_serving, speculation_pays_up_to
 from decode.stats import SpeculativeStats, predicted_speedup
 from decode.timing import cost_model, timed, timing_reliability, verify_cost
 from decode.tree import TreeShape, parse_tree
@@ -119,6 +120,9 @@ def draft_refs(cfg: Config) -> tuple[str | None, str | None]:
         standalone, feature, key = cfg.draft, cfg.eval.feature_draft, "eval.feature_draft"
     if feature is not None and (problem := feature_draft_problem(feature)):
         raise ConfigError(f"{key}: {problem}")
+    if cfg.eval.serving_batches and standalone is None:
+        raise ConfigError("eval.serving_batches measures batched decoding with a standalone draft; `draft` is a "
+                          "feature draft (batched feature drafting is not built yet): leave serving_batches empty")
     return standalone, feature
 
 
@@ -171,6 +175,8 @@ def setup(cfg: Config) -> Setup:
         proposers["feature"] = make_feature_proposer(feature_runner, feature, embeddings)
         if ev.lookup_ngram:
             proposers["feature+lookup"] = make_feature_proposer(feature_runner, feature, embeddings, ev.lookup_ngram)
+    if draft is not None:
+        check_serving_memory(ev, [len(p.token_ids) for p in next(iter(prompt_sets.values()))], [target, draft])
     trees = [parse_tree(spec) for spec in ev.trees]
     tree_proposers, tree_runner = {}, None
     if trees and draft_runner is not None:
@@ -388,11 +394,13 @@ def main(argv: list[str] | None = None) -> dict:
     costs = warm_up_and_cost(s)
     runs, samples, greedy_tokens = measure(s)
     results = aggregate(runs, costs)
+    serving_rows = measure_serving(s, greedy_tokens) if cfg.eval.serving_batches else []
     hf_rows = hf_comparisons(s, results, greedy_tokens) if cfg.eval.hf_baselines else []
     # The same measurement after every timed run, on the same runners: a machine whose load changed
     # during the run shows as a different target step (one of the timing-reliability signals).
     costs_end = measure_costs(s)
     report = build_report(s, argv, costs, costs_end, results, hf_rows, runs)
+    report["serving"] = {"rows": serving_rows, "pays_up_to": speculation_pays_up_to(serving_rows)} if serving_rows else None
     write_outputs(report, samples, s.out_dir)
     if tracker is not None:
         log_to_wandb(tracker, report)

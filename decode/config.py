@@ -331,6 +331,14 @@ class EvalConfig:
     '4x2x1x1' (children per depth: the draft's top tokens) or 'dynamic:depth=6,branch=4,nodes=24'
     (EAGLE-2: expand the most probable nodes, keep the most probable `nodes`; nodes=auto: per tree, the
     size and depth the measured cost model predicts fastest). Empty: chains only."""
+    serving_batches: list[int] = field(default_factory=list)
+    """Batch sizes of the serving table (decode/serving.py): target-only and the standalone draft at each
+    k of eval.ks, with continuous batching, on the first prompt set's prompts; [] = none."""
+    serving_requests: int = 0
+    """Requests decoded per batch size (the prompts repeated): at least twice the batch size."""
+    serving_p_min: float = 0.0
+    """> 0: also serve each k with p_min: a row stops drafting after a guess its draft gave less than
+    this probability (0 = off)."""
     feature_draft: str | None = None
     """A feature draft folder (a `distill.draft_kind=feature` run's final/) measured next to `draft` on the
     same prompts, as 'feature' (and 'feature+lookup') rows; None: none. A `draft` that is itself a
@@ -366,6 +374,11 @@ class EvalConfig:
                 parse_tree(spec)
             except TreeShapeError as error:
                 out.append(f"eval.trees: {error}")
+        out += [f"eval.serving_batches: batch size {b}; use sizes >= 1" for b in self.serving_batches if b < 1]
+        if self.serving_requests < 0:
+            out.append("eval.serving_requests must be >= 0 (0: twice each batch size)")
+        if not 0 <= self.serving_p_min < 1:
+            out.append(f"eval.serving_p_min: {self.serving_p_min}; use a probability in [0, 1) (0 = off)")
         if self.trees and self.backend == "graph":
             out.append("eval.trees: the graph backend (CUDA-graph replay) cannot verify trees; use eval.backend=lean")
         return out

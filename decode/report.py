@@ -78,6 +78,8 @@ def write_markdown(report: dict, path: Path) -> None:
             lines.append(f"| {row['prompt_set']} | {row['method']} | {row.get('k') or '–'} | "
                          f"{_fmt(row['tok_s'], 1)} | {_fmt(row['vs_our_baseline'])}× | "
                          f"{_fmt(row.get('ours_over_this'), unit='×')} | {row['identical_to_ours']} |")
+    if report.get("serving"):
+        lines += ["", *serving_lines(report["serving"])]
     if report.get("engines"):
         lines += ["", *engine_lines(report["engines"], report["engines_setup"])]
     lines += ["", "## Per prompt", "", "| prompts | prompt | T | proposer | k | tree | tokens | speedup | greedy identical |",
@@ -116,6 +118,27 @@ def cost_model_lines(report: dict) -> list[str]:
                   "Its s also counts the forwards through looked-up tokens it reads before drafting again.", "",
                   "| k | " + " | ".join(str(k) for k in fc["r"]) + " |", "|---|" + "---|" * len(fc["r"]),
                   "| r(k) | " + " | ".join(f"{v:.2f}" for v in fc["r"].values()) + " |"]
+    return lines
+
+
+def serving_lines(serving: dict) -> list[str]:
+    """The "Serving (batch > 1)" section: continuous batching, target-only against the draft per batch size."""
+    lines = ["## Serving (batch > 1)", "",
+             "Requests decoded with continuous batching (decode/batched_speculative.py): speedup = tokens/s ÷ "
+             "target-only tokens/s at the same batch size; latency = mean time from a request joining to its "
+             "last token; greedy identical = every row equals batch-1 target-only decoding. Plot: `serving.png`.", "",
+             "| prompts | batch | T | method | k | p_min | requests | tok/s | speedup | τ | latency s | greedy identical |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in serving["rows"]:
+        same = "–" if r["greedy_identical"] is None else ("yes" if r["greedy_identical"] else "**NO**")
+        lines.append(f"| {r['prompt_set']} | {r['batch']} | {r['temperature']} | {r['method']} | {r['k'] or '–'} | "
+                     f"{r['p_min'] or '–'} | {r['requests']} | {_fmt(r['tok_s'], 1)} | **{_fmt(r['speedup'])}×** | "
+                     f"{_fmt(r['tau'])} | {_fmt(r['mean_latency_s'])} | {same} |")
+    lines.append("")
+    for temperature, batch in serving["pays_up_to"].items():
+        lines.append(f"- T={temperature}: " + (f"the draft beats target-only up to batch {batch}; serve larger "
+                                              "batches without speculation." if batch else
+                                              "the draft never beats target-only here; serve without speculation."))
     return lines
 
 
@@ -194,6 +217,26 @@ def write_plots(report: dict, out_dir: Path) -> None:
     plt.close(fig)
     if _has_trees(report):
         _plot_chains_vs_trees(plt, report["results"], out_dir / "chains_vs_trees.png")
+    if report.get("serving"):
+        _plot_serving(plt, report["serving"]["rows"], out_dir / "serving.png")
+
+
+def _plot_serving(plt, rows: list[dict], path: Path) -> None:
+    """Speedup over target-only against batch size, one line per (method, k, T)."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method, k, p_min, temperature in sorted({(r["method"], r["k"], r["p_min"], r["temperature"])
+                                                 for r in rows if r["k"]}):
+        line = sorted((r for r in rows if (r["method"], r["k"], r["p_min"], r["temperature"])
+                       == (method, k, p_min, temperature)), key=lambda r: r["batch"])
+        ax.plot([r["batch"] for r in line], [r["speedup"] for r in line], marker="o",
+                linestyle="-" if temperature == 0 else "--", label=f"{method} k={k} T={temperature}")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="batch size", ylabel="speedup over target-only (same batch)", title="Speculative decoding by batch size")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _has_trees(report: dict) -> bool:

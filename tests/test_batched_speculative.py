@@ -117,3 +117,23 @@ def test_each_row_accepts_what_batch1_speculative_decoding_accepts(pair):
         assert outcome.tokens == single.tokens.tolist()
         assert outcome.stats.accept_length_hist == single.stats.accept_length_hist
     assert sum(o.stats.accepted for o in outcomes) > 0
+
+
+def test_a_full_cache_is_compacted_instead_of_grown(pair, monkeypatch):
+    """8-slot chunks: every few rounds the rejected guesses' slots are squeezed out; outputs do not change."""
+    monkeypatch.setattr("decode.runners.ragged.CACHE_CHUNK", 8)
+    target, draft = pair
+    target_runner, draft_runner = RaggedRunner(target, 16), RaggedRunner(draft, 16)
+    compactions = []
+    original = type(target_runner.cache).compact
+    monkeypatch.setattr(type(target_runner.cache), "compact", lambda self: compactions.append(1) or original(self))
+    outcomes = serve(target_runner, draft_runner, PROMPTS, batch_size=2, k=3, max_new_tokens=16,
+                     sampling=SamplingParams())
+    lean = make_runner(target, 16, "lean")
+    for prompt, outcome in zip(PROMPTS, outcomes):
+        assert outcome.tokens == target_decode(lean, torch.tensor([prompt]), max_new_tokens=16,
+                                               sampling=SamplingParams()).tolist()
+    assert len(compactions) > 3
+    # The texts of 2 rows (prompt + 16 tokens + a block of guesses) fit in 32 slots; without compaction
+    # the 5 requests would have used well over 100.
+    assert target_runner.cache.valid.shape[1] <= 32

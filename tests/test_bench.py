@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from decode.bench import setup
-from decode.config import load_config
+from decode.bench import main, setup
+from decode.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -100,3 +100,30 @@ def test_a_draft_not_smaller_than_the_target_warns():
     cfg = load_config("configs/tiny.yaml", ["draft=tiny:target", "eval.prompts=[gsm8k]"])
     with pytest.warns(UserWarning, match=r"the draft \([\d,]+ params\) is not smaller than the target"):
         setup(cfg)
+
+
+def test_serving_table_at_several_batch_sizes(tmp_path, one_thread):
+    report = main(["--config", "configs/tiny.yaml", "draft=tiny:draft", "eval.prompts=[gsm8k]", "eval.num_prompts=3",
+                   "eval.ks=[2]", "eval.hf_baselines=false", "eval.warmup=0", "eval.max_new_tokens=8",
+                   "eval.serving_batches=[1, 3]", "eval.serving_p_min=0.3", f"eval.out_dir={tmp_path}",
+                   "wandb.mode=disabled"])
+    rows = report["serving"]["rows"]
+    assert {(r["batch"], r["temperature"], r["method"]) for r in rows} == {
+        (b, t, m) for b in (1, 3) for t in (0.0, 0.7) for m in ("target-only", "draft", "draft p_min")}
+    for r in rows:
+        assert r["requests"] == 2 * r["batch"] and r["tokens"] > 0 and r["mean_latency_s"] > 0
+        assert r["greedy_identical"] is (True if r["temperature"] == 0 else None)
+        if r["method"] == "target-only":
+            assert r["speedup"] == 1.0 and r["tau"] == 1.0
+        else:
+            assert 1.0 <= r["tau"] <= 3.0
+    markdown = (tmp_path / "report.md").read_text()
+    assert "## Serving (batch > 1)" in markdown and (tmp_path / "serving.png").stat().st_size > 0
+    assert set(report["serving"]["pays_up_to"]) == {0.0, 0.7}
+
+
+def test_serving_refuses_a_batch_beyond_free_memory(tmp_path, monkeypatch):
+    monkeypatch.setattr("decode.serving.os.sysconf", lambda name: 1)  # one byte free
+    with pytest.raises(ConfigError, match=r"eval.serving_batches: batch 4 needs ~.* GiB of cache"):
+        main(["--config", "configs/tiny.yaml", "draft=tiny:draft", "eval.prompts=[gsm8k]", "eval.serving_batches=[4]",
+              f"eval.out_dir={tmp_path}", "wandb.mode=disabled"])

@@ -8,8 +8,10 @@ rest invalid; a row joining later (`add`) fills fresh slots while the others' st
 token keeps the rotary position of its place in that row's text, so attention over the valid slots
 is exactly the batch-1 forward of that row (tests compare them).
 
-Slots are used up by every forward whatever is kept: with k drafted tokens, ~k + 1 slots per verified
-block (64 new tokens at k = 4: a few hundred slots). The cache grows in CACHE_CHUNK steps.
+Slots are used up by every forward whatever is kept (~k + 1 per verified block, and every joining
+row's prompt), so when the cache is full `compact` first moves each row's valid slots to the front
+(attention does not care where a key sits: its position was applied when it was written), and the
+cache grows in CACHE_CHUNK steps only when the rows' texts themselves need it.
 """
 
 from __future__ import annotations
@@ -39,12 +41,16 @@ class RaggedCache:
     def rows(self) -> int:
         return self.valid.shape[0]
 
-    def reserve(self, rows: int, slots: int) -> None:
-        """Room for `rows` rows (new ones empty) and `slots` slots, keeping what is cached."""
+    def reserve(self, rows: int, slots: int) -> int:
+        """Room for `rows` rows (new ones empty) and `slots` more slots after the used ones, keeping what is
+        cached (compacted when that makes the room). Returns the first free slot."""
         c = self.core
         capacity = self.valid.shape[1]
+        if self.length + slots > capacity and self.rows:
+            self.compact()
+        slots += self.length
         if rows <= self.rows and slots <= capacity:
-            return
+            return self.length
         capacity = max(capacity, -(-slots // CACHE_CHUNK) * CACHE_CHUNK)
         shape = (rows, c.n_kv, capacity, c.head_dim)
         for store in (self.keys, self.values):
@@ -62,6 +68,21 @@ class RaggedCache:
         self.next_position = F.pad(self.next_position, (0, rows - self.next_position.shape[0]))
         if capacity > self.rope.cos.shape[0]:
             self.rope = c.rope_table(capacity)
+        return self.length
+
+    def compact(self) -> None:
+        """Move each row's valid slots, in order, to slots 0..count-1."""
+        count = self.valid.sum(-1)  # [B]
+        length = int(count.max())
+        # Row b's valid slots first (a stable sort keeps their order), then its others.
+        order = torch.sort((~self.valid[:, : self.length]).to(torch.int8), dim=-1, stable=True).indices[:, :length]
+        for store in (self.keys, self.values):
+            for i, layer in enumerate(store):
+                index = order[:, None, :, None].expand(-1, layer.shape[1], -1, layer.shape[3])
+                store[i][:, :, :length] = layer.gather(2, index)
+        self.valid = torch.zeros_like(self.valid)
+        self.valid[:, :length] = torch.arange(length, device=count.device)[None, :] < count[:, None]
+        self.length = length
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window) -> torch.Tensor:
         """q [b, L, H, D], k and v [b, L, KV, D] -> [b, L, H D] for cache rows `rows` at slots slot0.."""
@@ -102,7 +123,7 @@ class RaggedRunner:
     def add(self, texts: list[list[int]]) -> torch.Tensor:
         """New rows holding `texts` (may be empty); returns their row indices."""
         first = self.cache.rows
-        self.cache.reserve(first + len(texts), self.cache.length)
+        self.cache.reserve(first + len(texts), 0)
         rows = torch.arange(first, first + len(texts), device=self.device)
         longest = max(map(len, texts))
         if longest:
@@ -121,8 +142,7 @@ class RaggedRunner:
         rows = torch.arange(cache.rows, device=self.device) if rows is None else rows.to(self.device)
         tokens, counts = tokens.to(self.device), counts.to(self.device)
         b, L = tokens.shape
-        slot0 = cache.length
-        cache.reserve(cache.rows, slot0 + L)
+        slot0 = cache.reserve(cache.rows, L)
         new = torch.arange(L, device=self.device)[None, :] < counts[:, None]  # [b, L] real tokens
         positions = cache.next_position[rows, None] + torch.arange(L, device=self.device)  # [b, L]
         cache.valid[rows, slot0 : slot0 + L] = new

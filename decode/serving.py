@@ -1,0 +1,112 @@
+"""eval-speedup's serving table: the speedup a server would see at batch > 1 (decode/batched_speculative.py).
+
+For each batch size of eval.serving_batches and each temperature: the first prompt set's prompts, repeated
+to make eval.serving_requests requests (at least twice the batch), decoded with continuous batching by
+target-only decoding and by the standalone draft at each k of eval.ks (and with eval.serving_p_min when
+set), one method after the other on the same runners. Each row: tokens/s over all requests, speedup over
+target-only at the same batch size, τ, the mean time from a request joining to its last token, and
+whether every greedy row equals batch-1 target-only decoding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from decode.batched_speculative import serve
+from decode.config import ConfigError
+from decode.runners.ragged import RaggedRunner
+from decode.sampling import SamplingParams
+from decode.stats import SpeculativeStats
+from decode.vocab import model_vocab_size
+
+
+def serving_methods(ks: list[int], p_min: float) -> list[tuple[str, int, float]]:
+    """(name, k, p_min) of every row measured at a batch size: target-only first."""
+    methods = [("target-only", 0, 0.0)] + [("draft", k, 0.0) for k in ks]
+    return methods + ([("draft p_min", k, p_min) for k in ks] if p_min else [])
+
+
+def measure_serving(s, greedy_tokens: dict[tuple[str, str], list[int]]) -> list[dict]:
+    """The serving rows of `s` (decode.bench.Setup); greedy_tokens: batch-1 target-only greedy outputs."""
+    ev = s.cfg.eval
+    vocab = model_vocab_size(s.target)
+    target, draft = RaggedRunner(s.target, vocab), RaggedRunner(s.draft, vocab)
+    set_name, prompts = next(iter(s.prompt_sets.items()))
+    rows = []
+    for batch in ev.serving_batches:
+        requests = [prompts[i % len(prompts)] for i in range(max(ev.serving_requests, 2 * batch))]
+        for temperature in ev.temperatures:
+            sampling = SamplingParams(temperature, ev.top_k, ev.top_p)
+            baseline = None
+            for name, k, p_min in serving_methods(ev.ks, ev.serving_p_min):
+                row = _timed_serve(s, target, draft if k else None, requests, batch, k, p_min, sampling)
+                row.update(prompt_set=set_name, batch=batch, temperature=temperature, method=name, k=k, p_min=p_min)
+                if sampling.greedy:
+                    row["greedy_identical"] = all(tokens == greedy_tokens[(set_name, p.prompt_id)]
+                                                  for tokens, p in zip(row.pop("outputs"), requests))
+                else:
+                    row.pop("outputs")
+                    row["greedy_identical"] = None
+                baseline = baseline or row["tok_s"]
+                row["speedup"] = row["tok_s"] / baseline
+                rows.append(row)
+                print(f"serving batch {batch} T={temperature} {name} k={k}: {row['tok_s']:.1f} tok/s "
+                      f"({row['speedup']:.2f}x), tau {row['tau']:.2f}", file=sys.stderr)
+    return rows
+
+
+def check_serving_memory(ev, prompt_lengths: list[int], models: list[torch.nn.Module]) -> None:
+    """Refuse batch sizes whose caches would not fit in the memory free now, before any timing: each row
+    holds its text and a block of guesses in every layer's keys and values, twice over (growth
+    headroom), for the target and the draft. ev: the eval config."""
+    if not ev.serving_batches:
+        return
+    slots = 2 * (max(prompt_lengths) + ev.max_new_tokens + max(ev.ks) + 1)
+    per_slot = sum(m.config.num_hidden_layers * 2 * m.config.num_key_value_heads
+                   * (getattr(m.config, "head_dim", None) or m.config.hidden_size // m.config.num_attention_heads)
+                   * next(m.parameters()).element_size() for m in models)
+    batch = max(ev.serving_batches)
+    needed = batch * slots * per_slot
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if needed > free:
+        raise ConfigError(f"eval.serving_batches: batch {batch} needs ~{needed / 2**30:.1f} GiB of cache "
+                          f"({slots} slots x {per_slot / 2**10:.0f} KiB per row), {free / 2**30:.1f} GiB is free; "
+                          "use smaller batch sizes or fewer eval.max_new_tokens")
+
+
+def _timed_serve(s, target: RaggedRunner, draft: RaggedRunner | None, requests: list, batch: int, k: int,
+                 p_min: float, sampling: SamplingParams) -> dict:
+    ev = s.cfg.eval
+    # Row i's generator depends on its request, so each method samples every request alike.
+    generators = [torch.Generator().manual_seed(_seed(s.cfg.seed, p.prompt_id, i)) for i, p in enumerate(requests)]
+    start = time.perf_counter()
+    outcomes = serve(target, draft, [list(p.token_ids) for p in requests], batch_size=batch, k=k,
+                     max_new_tokens=ev.max_new_tokens, sampling=sampling, eos_token_id=s.tokenizer.eos_token_id,
+                     generators=generators, p_min=p_min)
+    seconds = time.perf_counter() - start
+    stats = SpeculativeStats(k=max(k, 1))
+    for outcome in outcomes:
+        stats = stats.merge(outcome.stats)
+    tokens = sum(len(o.tokens) for o in outcomes)
+    return {"requests": len(requests), "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
+            "tau": stats.tau, "alpha": stats.alpha, "mean_latency_s": statistics.mean(o.seconds for o in outcomes),
+            "outputs": [o.tokens for o in outcomes]}
+
+
+def _seed(seed: int, prompt_id: str, index: int) -> int:
+    return int(hashlib.sha256(f"{seed}:{prompt_id}:{index}:serving".encode()).hexdigest()[:12], 16)
+
+
+def speculation_pays_up_to(rows: list[dict]) -> dict[float, int | None]:
+    """Per temperature, the largest batch size at which the best draft row beats target-only (None: none)."""
+    out: dict[float, int | None] = {}
+    for temperature in sorted({r["temperature"] for r in rows}):
+        wins = [r["batch"] for r in rows if r["temperature"] == temperature and r["k"] and r["speedup"] > 1.0]
+        out[temperature] = max(wins, default=None)
+    return out
