@@ -11,6 +11,11 @@ accepts for it, drawing from its own generator, so a row's output does not depen
 Rows that finish (EOS or max_new_tokens) leave; queued requests join. `draft_runner=None` is target-only
 decoding at the same batch size: the baseline a serving speedup is measured against.
 
+adaptive=True makes k a maximum: when a batch forms, one draft forward and target forwards of 1..k+1
+tokens per row are timed on it (r(n, batch) and c in target steps), and each round drafts the k that
+maximises the predicted tokens per unit time, (1 - α^(k+1)) / (1 - α) / (k c + r(k)), α being the
+acceptance measured so far; k = 0 (no drafting) where no k beats a plain target step.
+
 The invariants, per row: the target holds its committed text but the last token; the draft holds a
 prefix of committed + drafted text (`pending`: the committed tokens it has not read yet).
 """
@@ -63,7 +68,8 @@ def check_serving(batch_size: int, k: int, p_min: float) -> None:
 
 def serve(target: RaggedRunner, draft: RaggedRunner | None, prompts: list[list[int]], *, batch_size: int, k: int,
           max_new_tokens: int, sampling: SamplingParams, eos_token_id: int | list[int] | None = None,
-          generators: list[torch.Generator | None] | None = None, p_min: float = 0.0) -> list[RowOutcome]:
+          generators: list[torch.Generator | None] | None = None, p_min: float = 0.0,
+          adaptive: bool = False) -> list[RowOutcome]:
     """Decode every prompt, `batch_size` at a time; outcomes in prompt order."""
     check_serving(batch_size, k if draft is not None else 0, p_min)
     eos = eos_set(eos_token_id)
@@ -72,12 +78,18 @@ def serve(target: RaggedRunner, draft: RaggedRunner | None, prompts: list[list[i
     if draft is not None:
         draft.reset()
     queue, live, done = list(range(len(prompts))), [], {}
+    chooser = AdaptiveK(k) if adaptive and draft is not None and k > 0 else None
     while queue or live:
         joining = [queue.pop(0) for _ in range(min(batch_size - len(live), len(queue)))]
         if joining:
             live += _join(target, draft, prompts, joining, generators, max(k, 1))
-        if draft is not None and k > 0:
-            _speculative_round(target, draft, live, k, max_new_tokens, sampling, p_min)
+            if chooser is not None and chooser.costs is None:
+                chooser.costs = measure_costs(target, draft, live, k)
+        round_k = chooser.choose() if chooser is not None else k
+        if draft is not None and round_k > 0:
+            accepted, tried = _speculative_round(target, draft, live, round_k, max_new_tokens, sampling, p_min)
+            if chooser is not None:
+                chooser.observe(accepted, tried)
         else:
             _target_round(target, live, sampling)
         finished = [i for i, row in enumerate(live) if row.produced >= max_new_tokens
@@ -118,7 +130,9 @@ def _target_round(target: RaggedRunner, live: list[_Row], sampling: SamplingPara
 
 
 def _speculative_round(target: RaggedRunner, draft: RaggedRunner, live: list[_Row], k: int, max_new_tokens: int,
-                       sampling: SamplingParams, p_min: float) -> None:
+                       sampling: SamplingParams, p_min: float) -> tuple[int, int]:
+    """One draft-and-verify block for every live row; returns (accepted, tried) guesses over the rows."""
+    accepted_before, tried_before = sum(r.stats.accepted for r in live), sum(r.stats.tried for r in live)
     limits = [max(0, min(k, max_new_tokens - row.produced - 1)) for row in live]
     drafted, draft_probs = _draft(draft, live, limits, sampling, p_min)
     width = 1 + max(map(len, drafted))
@@ -145,6 +159,7 @@ def _speculative_round(target: RaggedRunner, draft: RaggedRunner, live: list[_Ro
         row.pending = row.committed[kept:]
     target.truncate(torch.tensor(keep_target))
     draft.truncate(torch.tensor(keep_draft))
+    return sum(r.stats.accepted for r in live) - accepted_before, sum(r.stats.tried for r in live) - tried_before
 
 
 def _draft(draft: RaggedRunner, live: list[_Row], limits: list[int], sampling: SamplingParams,
@@ -179,3 +194,45 @@ def _draft(draft: RaggedRunner, live: list[_Row], limits: list[int], sampling: S
             active[i] = len(drafted[i]) < limits[i] and confidence >= p_min
         feed = [[guess[-1]] if guess else [] for guess in drafted]
     return drafted, draft_probs
+
+
+class AdaptiveK:
+    """The k of each round from the measured costs and the acceptance so far (see the module docstring)."""
+
+    PRIOR = (1, 2)
+    """Acceptance before any block: 1 of 2 guesses, worth two guesses of evidence."""
+
+    def __init__(self, k_max: int):
+        self.k_max, self.costs = k_max, None
+        self.accepted, self.tried = self.PRIOR
+
+    def observe(self, accepted: int, tried: int) -> None:
+        self.accepted += accepted
+        self.tried += tried
+
+    def choose(self) -> int:
+        c, r = self.costs
+        alpha = min(self.accepted / self.tried, 0.99)
+        rates = {k: (1 - alpha ** (k + 1)) / (1 - alpha) / (k * c + r[k]) for k in range(1, self.k_max + 1)}
+        best = max(rates, key=rates.get)
+        return best if rates[best] > 1.0 else 0
+
+
+def measure_costs(target: RaggedRunner, draft: RaggedRunner, live: list[_Row], k_max: int) -> tuple[float, dict]:
+    """(c, {k: r(k)}) on this batch: a one-token draft forward and target forwards of k + 1 tokens per row,
+    in units of a one-token target forward; each forward's slots are dropped again. Medians of 3."""
+    rows = len(live)
+
+    def seconds(runner: RaggedRunner, width: int) -> float:
+        lengths = runner.lengths.clone()
+        tokens = torch.tensor([[row.committed[-1]] * width for row in live])
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            runner.forward(tokens, torch.full((rows,), width))
+            times.append(time.perf_counter() - start)
+            runner.truncate(lengths)
+        return sorted(times)[1]
+
+    step = seconds(target, 1)
+    return seconds(draft, 1) / step, {k: seconds(target, k + 1) / step for k in range(1, k_max + 1)}

@@ -2,8 +2,8 @@
 
 For each batch size of eval.serving_batches and each temperature: the first prompt set's prompts, repeated
 to make eval.serving_requests requests (at least twice the batch), decoded with continuous batching by
-target-only decoding and by the standalone draft at each k of eval.ks (and with eval.serving_p_min when
-set), one method after the other on the same runners. Each row: tokens/s over all requests, speedup over
+target-only decoding, by the standalone draft at each k of eval.ks (and with eval.serving_p_min when
+set) and with k chosen per round ("draft auto"), one method after the other on the same runners. Each row: tokens/s over all requests, speedup over
 target-only at the same batch size, τ, the mean time from a request joining to its last token, and
 whether every greedy row equals batch-1 target-only decoding.
 """
@@ -26,10 +26,12 @@ from decode.stats import SpeculativeStats
 from decode.vocab import model_vocab_size
 
 
-def serving_methods(ks: list[int], p_min: float) -> list[tuple[str, int, float]]:
-    """(name, k, p_min) of every row measured at a batch size: target-only first."""
-    methods = [("target-only", 0, 0.0)] + [("draft", k, 0.0) for k in ks]
-    return methods + ([("draft p_min", k, p_min) for k in ks] if p_min else [])
+def serving_methods(ks: list[int], p_min: float) -> list[tuple[str, int, float, bool]]:
+    """(name, k, p_min, adaptive) of every row measured at a batch size: target-only first, "draft auto"
+    (k chosen per round up to the largest k, decode/batched_speculative.py) last."""
+    methods = [("target-only", 0, 0.0, False)] + [("draft", k, 0.0, False) for k in ks]
+    methods += [("draft p_min", k, p_min, False) for k in ks] if p_min else []
+    return methods + [("draft auto", max(ks), 0.0, True)]
 
 
 def measure_serving(s, greedy_tokens: dict[tuple[str, str], list[int]]) -> list[dict]:
@@ -44,8 +46,8 @@ def measure_serving(s, greedy_tokens: dict[tuple[str, str], list[int]]) -> list[
         for temperature in ev.temperatures:
             sampling = SamplingParams(temperature, ev.top_k, ev.top_p)
             baseline = None
-            for name, k, p_min in serving_methods(ev.ks, ev.serving_p_min):
-                row = _timed_serve(s, target, draft if k else None, requests, batch, k, p_min, sampling)
+            for name, k, p_min, adaptive in serving_methods(ev.ks, ev.serving_p_min):
+                row = _timed_serve(s, target, draft if k else None, requests, batch, k, p_min, adaptive, sampling)
                 row.update(prompt_set=set_name, batch=batch, temperature=temperature, method=name, k=k, p_min=p_min)
                 if sampling.greedy:
                     row["greedy_identical"] = all(tokens == greedy_tokens[(set_name, p.prompt_id)]
@@ -81,14 +83,14 @@ def check_serving_memory(ev, prompt_lengths: list[int], models: list[torch.nn.Mo
 
 
 def _timed_serve(s, target: RaggedRunner, draft: RaggedRunner | None, requests: list, batch: int, k: int,
-                 p_min: float, sampling: SamplingParams) -> dict:
+                 p_min: float, adaptive: bool, sampling: SamplingParams) -> dict:
     ev = s.cfg.eval
     # Row i's generator depends on its request, so each method samples every request alike.
     generators = [torch.Generator().manual_seed(_seed(s.cfg.seed, p.prompt_id, i)) for i, p in enumerate(requests)]
     start = time.perf_counter()
     outcomes = serve(target, draft, [list(p.token_ids) for p in requests], batch_size=batch, k=k,
                      max_new_tokens=ev.max_new_tokens, sampling=sampling, eos_token_id=s.tokenizer.eos_token_id,
-                     generators=generators, p_min=p_min)
+                     generators=generators, p_min=p_min, adaptive=adaptive)
     seconds = time.perf_counter() - start
     stats = SpeculativeStats(k=max(k, 1))
     for outcome in outcomes:

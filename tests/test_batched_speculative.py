@@ -9,7 +9,8 @@ import torch
 from scipy import stats as scipy_stats
 
 from decode.api import build_runners
-from decode.batched_speculative import serve
+from decode.batched_speculative import AdaptiveK, _Row, measure_costs, serve
+from decode.stats import SpeculativeStats
 from decode.proposers import DraftProposer
 from decode.runners import make_runner
 from decode.runners.ragged import RaggedRunner
@@ -137,3 +138,43 @@ def test_a_full_cache_is_compacted_instead_of_grown(pair, monkeypatch):
     # The texts of 2 rows (prompt + 16 tokens + a block of guesses) fit in 32 slots; without compaction
     # the 5 requests would have used well over 100.
     assert target_runner.cache.valid.shape[1] <= 32
+
+
+@pytest.mark.parametrize("costs, drafts", [((0.01, {k: 1.0 for k in (1, 2, 3)}), True),
+                                           ((2.0, {k: 3.0 for k in (1, 2, 3)}), False)])
+def test_adaptive_k_drafts_only_where_the_cost_model_says_it_pays(pair, monkeypatch, costs, drafts):
+    target, draft = pair
+    monkeypatch.setattr("decode.batched_speculative.measure_costs", lambda *args: costs)
+    outcomes = serve(RaggedRunner(target, 16), RaggedRunner(draft, 16), PROMPTS, batch_size=3, k=3,
+                     max_new_tokens=12, sampling=SamplingParams(), adaptive=True)
+    lean = make_runner(target, 16, "lean")
+    for prompt, outcome in zip(PROMPTS, outcomes):
+        assert outcome.tokens == target_decode(lean, torch.tensor([prompt]), max_new_tokens=12,
+                                               sampling=SamplingParams()).tolist()
+    proposed = sum(o.stats.proposed for o in outcomes)
+    assert proposed > 0 if drafts else proposed == 0
+
+
+def test_adaptive_k_follows_the_acceptance():
+    chooser = AdaptiveK(6)
+    chooser.costs = (0.05, {k: 1.0 + 0.05 * k for k in range(1, 7)})
+    chooser.observe(95, 98)  # nearly every guess accepted: draft far ahead
+    assert chooser.choose() == 6
+    chooser.accepted, chooser.tried = 1, 50  # nearly nothing accepted: no drafting
+    assert chooser.choose() == 0
+    chooser.accepted, chooser.tried = 5, 10
+    assert 1 <= chooser.choose() <= 3
+
+
+def test_measured_costs_leave_the_rows_as_they_were(pair):
+    target, draft = pair
+    target_runner, draft_runner = RaggedRunner(target, 16), RaggedRunner(draft, 16)
+    outcomes = serve(target_runner, draft_runner, PROMPTS[:2], batch_size=2, k=2, max_new_tokens=6,
+                     sampling=SamplingParams(), adaptive=True)
+    assert all(len(o.tokens) == 6 for o in outcomes)
+    target_runner.add([[0, 3]])
+    draft_runner.add([[0, 3]])
+    rows = [_Row(0, [0, 3, 7], 3, None, SpeculativeStats(k=2), 0.0)]
+    c, r = measure_costs(target_runner, draft_runner, rows, 3)
+    assert c > 0 and set(r) == {1, 2, 3} and all(v > 0 for v in r.values())
+    assert target_runner.lengths.tolist() == [2] and draft_runner.lengths.tolist() == [2]

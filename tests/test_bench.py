@@ -109,7 +109,7 @@ def test_serving_table_at_several_batch_sizes(tmp_path, one_thread):
                    "wandb.mode=disabled"])
     rows = report["serving"]["rows"]
     assert {(r["batch"], r["temperature"], r["method"]) for r in rows} == {
-        (b, t, m) for b in (1, 3) for t in (0.0, 0.7) for m in ("target-only", "draft", "draft p_min")}
+        (b, t, m) for b in (1, 3) for t in (0.0, 0.7) for m in ("target-only", "draft", "draft p_min", "draft auto")}
     for r in rows:
         assert r["requests"] == 2 * r["batch"] and r["tokens"] > 0 and r["mean_latency_s"] > 0
         assert r["greedy_identical"] is (True if r["temperature"] == 0 else None)

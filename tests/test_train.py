@@ -23,7 +23,8 @@ from decode.vocab import VocabSubset
 from distill.checkpoint import latest_checkpoint
 from distill.data import DataError, StepSampler, load_examples
 from distill.disk import DiskFullError
-from distill.train import NonFiniteError, train
+from distill.train import train
+from distill.training.recipe import NonFiniteError
 from tests.synthetic_shards import write_manifest, write_scored_shards
 
 ROOT = Path(__file__).resolve().parents[1]

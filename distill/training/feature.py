@@ -24,7 +24,7 @@ from decode.models import load_tokenizer, param_count
 from distill.checkpoint import latest_checkpoint
 from distill.export.hf import export_hf
 from distill.feature_shape import build_feature_draft, choose_feature_shape, feature_layers
-from distill.train import DistillRecipe
+from distill.training.recipe import DistillRecipe
 from distill.features import FeatureSpec
 from distill.training.feature_eval import evaluate_feature
 from distill.training.feature_stored import StoredFeatures, StoredFeatureTeacher
