@@ -12,9 +12,10 @@ Rows that finish (EOS or max_new_tokens) leave; queued requests join. `draft_run
 decoding at the same batch size: the baseline a serving speedup is measured against.
 
 adaptive=True makes k a maximum: when a batch forms, one draft forward and target forwards of 1..k+1
-tokens per row are timed on it (r(n, batch) and c in target steps), and each round drafts the k that
-maximises the predicted tokens per unit time, (1 - α^(k+1)) / (1 - α) / (k c + r(k)), α being the
-acceptance measured so far; k = 0 (no drafting) where no k beats a plain target step.
+tokens per row are timed on it (r(n, batch) and c in target steps), and each round drafts the k
+(0..k, 0: none) that maximises the predicted tokens per unit time, (1 - α^(k+1)) / (1 - α) / cost(k), α
+being the acceptance so far and cost(k) = k c + r(k) corrected by the rounds timed with that k
+(`AdaptiveK`).
 
 The invariants, per row: the target holds its committed text but the last token; the draft holds a
 prefix of committed + drafted text (`pending`: the committed tokens it has not read yet).
@@ -83,15 +84,17 @@ def serve(target: RaggedRunner, draft: RaggedRunner | None, prompts: list[list[i
         joining = [queue.pop(0) for _ in range(min(batch_size - len(live), len(queue)))]
         if joining:
             live += _join(target, draft, prompts, joining, generators, max(k, 1))
-            if chooser is not None and chooser.costs is None:
-                chooser.costs = measure_costs(target, draft, live, k)
+            if chooser is not None and chooser.step_seconds is None:
+                chooser.start(*measure_costs(target, draft, live, k))
         round_k = chooser.choose() if chooser is not None else k
+        started = time.perf_counter()
+        accepted = tried = 0
         if draft is not None and round_k > 0:
             accepted, tried = _speculative_round(target, draft, live, round_k, max_new_tokens, sampling, p_min)
-            if chooser is not None:
-                chooser.observe(accepted, tried)
         else:
             _target_round(target, live, sampling)
+        if chooser is not None:
+            chooser.observe(round_k, time.perf_counter() - started, accepted, tried)
         finished = [i for i, row in enumerate(live) if row.produced >= max_new_tokens
                     or cut_at_eos(row.committed[row.prompt_len:], eos)[1]]
         for i in finished:
@@ -197,42 +200,72 @@ def _draft(draft: RaggedRunner, live: list[_Row], limits: list[int], sampling: S
 
 
 class AdaptiveK:
-    """The k of each round from the measured costs and the acceptance so far (see the module docstring)."""
+    """The k of each round (0: no drafting) from each k's cost and the acceptance so far.
+
+    A k's cost is the time of a round with it, in one-token target forwards: first predicted from the
+    forwards `measure_costs` times (k draft forwards + a verification of k + 1 tokens per row), then
+    moved toward every round actually timed with it, so the host work per row that the forwards leave
+    out (acceptance, sampling, bookkeeping) enters too. A round is worth the expected tokens per row,
+    (1 - α^(k+1)) / (1 - α) at acceptance α."""
 
     PRIOR = (1, 2)
     """Acceptance before any block: 1 of 2 guesses, worth two guesses of evidence."""
+    EXPLORE_EVERY = 8
+    """Every this many rounds the k timed longest ago runs instead of the best one, so no estimate (of
+    its cost, or of the acceptance while drafting is off) goes stale."""
+    TIMED_WEIGHT = 0.3
+    """How far one timed round moves its k's cost."""
 
     def __init__(self, k_max: int):
-        self.k_max, self.costs = k_max, None
+        self.k_max = k_max
         self.accepted, self.tried = self.PRIOR
+        self.step_seconds: float | None = None
+        self.cost: dict[int, float] = {}
+        self.last_used: dict[int, int] = {}
+        self.rounds = 0
 
-    def observe(self, accepted: int, tried: int) -> None:
-        self.accepted += accepted
-        self.tried += tried
+    def start(self, step_seconds: float, c: float, r: dict[int, float]) -> None:
+        """The predicted costs from measure_costs' figures."""
+        self.step_seconds = step_seconds
+        self.cost = {0: 1.0} | {k: k * c + r[k] for k in range(1, self.k_max + 1)}
+        self.last_used = dict.fromkeys(self.cost, 0)
+
+    def expected_tokens(self, k: int) -> float:
+        alpha = min(self.accepted / self.tried, 0.99)
+        return (1 - alpha ** (k + 1)) / (1 - alpha)
 
     def choose(self) -> int:
-        c, r = self.costs
-        alpha = min(self.accepted / self.tried, 0.99)
-        rates = {k: (1 - alpha ** (k + 1)) / (1 - alpha) / (k * c + r[k]) for k in range(1, self.k_max + 1)}
-        best = max(rates, key=rates.get)
-        return best if rates[best] > 1.0 else 0
+        self.rounds += 1
+        best = max(self.cost, key=lambda k: self.expected_tokens(k) / self.cost[k])
+        if self.rounds % self.EXPLORE_EVERY == 0:
+            return min((k for k in self.cost if k != best), key=self.last_used.get, default=best)
+        return best
+
+    def observe(self, k: int, seconds: float, accepted: int, tried: int) -> None:
+        """One round with k took `seconds` and accepted `accepted` of `tried` guesses."""
+        self.accepted += accepted
+        self.tried += tried
+        self.cost[k] += self.TIMED_WEIGHT * (seconds / self.step_seconds - self.cost[k])
+        self.last_used[k] = self.rounds
 
 
-def measure_costs(target: RaggedRunner, draft: RaggedRunner, live: list[_Row], k_max: int) -> tuple[float, dict]:
-    """(c, {k: r(k)}) on this batch: a one-token draft forward and target forwards of k + 1 tokens per row,
-    in units of a one-token target forward; each forward's slots are dropped again. Medians of 3."""
+def measure_costs(target: RaggedRunner, draft: RaggedRunner, live: list[_Row],
+                  k_max: int) -> tuple[float, float, dict]:
+    """(seconds of a one-token target forward, c, {k: r(k)}) on this batch: a one-token draft forward and
+    target forwards of k + 1 tokens per row, in units of the one-token target forward; each forward's slots are dropped again. Medians of 5, after
+    one untimed forward of each width (the first calls at a new shape allocate)."""
     rows = len(live)
 
     def seconds(runner: RaggedRunner, width: int) -> float:
         lengths = runner.lengths.clone()
         tokens = torch.tensor([[row.committed[-1]] * width for row in live])
         times = []
-        for _ in range(3):
+        for _ in range(6):
             start = time.perf_counter()
             runner.forward(tokens, torch.full((rows,), width))
             times.append(time.perf_counter() - start)
             runner.truncate(lengths)
-        return sorted(times)[1]
+        return sorted(times[1:])[2]
 
     step = seconds(target, 1)
-    return seconds(draft, 1) / step, {k: seconds(target, k + 1) / step for k in range(1, k_max + 1)}
+    return step, seconds(draft, 1) / step, {k: seconds(target, k + 1) / step for k in range(1, k_max + 1)}

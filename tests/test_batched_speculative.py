@@ -140,30 +140,40 @@ def test_a_full_cache_is_compacted_instead_of_grown(pair, monkeypatch):
     assert target_runner.cache.valid.shape[1] <= 32
 
 
-@pytest.mark.parametrize("costs, drafts", [((0.01, {k: 1.0 for k in (1, 2, 3)}), True),
-                                           ((2.0, {k: 3.0 for k in (1, 2, 3)}), False)])
+@pytest.mark.parametrize("costs, drafts", [((1.0, 0.01, {k: 1.0 for k in (1, 2, 3)}), True),
+                                           ((1.0, 2.0, {k: 3.0 for k in (1, 2, 3)}), False)])
 def test_adaptive_k_drafts_only_where_the_cost_model_says_it_pays(pair, monkeypatch, costs, drafts):
     target, draft = pair
     monkeypatch.setattr("decode.batched_speculative.measure_costs", lambda *args: costs)
+    monkeypatch.setattr(AdaptiveK, "TIMED_WEIGHT", 0.0)  # the predicted costs alone (tiny rounds time as noise)
     outcomes = serve(RaggedRunner(target, 16), RaggedRunner(draft, 16), PROMPTS, batch_size=3, k=3,
                      max_new_tokens=12, sampling=SamplingParams(), adaptive=True)
     lean = make_runner(target, 16, "lean")
     for prompt, outcome in zip(PROMPTS, outcomes):
         assert outcome.tokens == target_decode(lean, torch.tensor([prompt]), max_new_tokens=12,
                                                sampling=SamplingParams()).tolist()
-    proposed = sum(o.stats.proposed for o in outcomes)
-    assert proposed > 0 if drafts else proposed == 0
+    per_forward = sum(o.stats.proposed for o in outcomes) / sum(o.stats.target_forwards for o in outcomes)
+    # Where drafting never pays, only every EXPLORE_EVERY-th round drafts (the k timed longest ago).
+    assert per_forward > 1 if drafts else 0 < per_forward <= 3 / AdaptiveK.EXPLORE_EVERY
 
 
-def test_adaptive_k_follows_the_acceptance():
+def test_adaptive_k_follows_the_acceptance_and_the_timed_rounds():
     chooser = AdaptiveK(6)
-    chooser.costs = (0.05, {k: 1.0 + 0.05 * k for k in range(1, 7)})
-    chooser.observe(95, 98)  # nearly every guess accepted: draft far ahead
+    chooser.start(0.04, 0.05, {k: 1.0 + 0.05 * k for k in range(1, 7)})
+    chooser.observe(6, 0.04, 95, 98)  # nearly every guess accepted: draft far ahead
     assert chooser.choose() == 6
     chooser.accepted, chooser.tried = 1, 50  # nearly nothing accepted: no drafting
     assert chooser.choose() == 0
     chooser.accepted, chooser.tried = 5, 10
-    assert 1 <= chooser.choose() <= 3
+    assert chooser.choose() == 2  # α = 0.5: 1.75 tokens for 1.2 steps beats k = 1 and 3
+    for _ in range(10):  # k = 2 rounds turn out to take 3 target steps: no longer worth it
+        chooser.observe(2, 0.12, 2, 4)
+    assert chooser.choose() != 2
+    explored = []
+    for _ in range(3 * AdaptiveK.EXPLORE_EVERY):
+        explored.append(chooser.choose())
+        chooser.observe(explored[-1], 0.04 * chooser.cost[explored[-1]], 0, 0)
+    assert len(set(explored)) >= 4  # every 8th round tries the k timed longest ago
 
 
 def test_measured_costs_leave_the_rows_as_they_were(pair):
@@ -175,6 +185,6 @@ def test_measured_costs_leave_the_rows_as_they_were(pair):
     target_runner.add([[0, 3]])
     draft_runner.add([[0, 3]])
     rows = [_Row(0, [0, 3, 7], 3, None, SpeculativeStats(k=2), 0.0)]
-    c, r = measure_costs(target_runner, draft_runner, rows, 3)
-    assert c > 0 and set(r) == {1, 2, 3} and all(v > 0 for v in r.values())
+    step, c, r = measure_costs(target_runner, draft_runner, rows, 3)
+    assert step > 0 and c > 0 and set(r) == {1, 2, 3} and all(v > 0 for v in r.values())
     assert target_runner.lengths.tolist() == [2] and draft_runner.lengths.tolist() == [2]
