@@ -16,13 +16,9 @@ reads and has its own cost model. Target-only decoding keeps the plain runner.
 
 from __future__ import annotations
 
-import datetime
 import functools
 import hashlib
 import itertools
-import json
-import platform
-import statistics
 import sys
 import time
 import warnings
@@ -38,26 +34,25 @@ from decode.config import Config, ConfigError, config_to_dict
 from decode.feature_draft import FeatureDraft, check_target, feature_draft_problem, is_feature_draft
 from decode.feature_proposer import FeatureProposer, make_feature_proposer
 from decode.feature_timing import FeatureDraftSteps
-from decode.hf_baselines import full_vocab_view, hf_generate
+from decode.eval_results import (aggregate, build_report, draft_kind, log_to_wandb, print_headline,
+                                 write_outputs)
+from decode.hf_baselines import hf_comparisons
 from decode.models import (TOKENIZER_FILES, check_tokenizers, load_model, load_tokenizer, param_count,
                            resolve_device)
-from decode.precision import DtypeChoice, machine_class, resolve_decode_dtype
+from decode.precision import DtypeChoice, resolve_decode_dtype
 from decode.progress import expectation
 from decode.prompts import evaluation_split, load_prompt_set, read_split_prompts
 from decode.proposers import LookupProposer, Proposer, make_proposer
-from decode.provenance import git_revision
-from decode.report import write_markdown, write_plots
 from decode.runners import Runner, make_runner
 from decode.sampling import SamplingParams
 from decode.speculative import speculative_decode, target_decode
 from decode.serving import check_serving_memory, measure_serving, speculation_pays_up_to
-from decode.stats import SpeculativeStats, predicted_speedup
-from decode.timing import cost_model, timed, timing_reliability, verify_cost
+from decode.timing import cost_model, timed, verify_cost
 from decode.tree import TreeShape, parse_tree
 from decode.tree_decode import TreeProposer, tree_decode
 from decode.tree_proposers import DraftTreeProposer, FeatureTreeProposer, LookupTreeProposer
 from decode.tracking import start_wandb
-from decode.vocab import VocabSubset, model_vocab_size
+from decode.vocab import model_vocab_size
 
 
 TREE_R_NODES = (12, 16, 24, 32, 48, 64)
@@ -100,11 +95,6 @@ class Setup:
         if draft_kind(proposer) == "feature":
             return self.feature_runner
         return self.tree_runner if tree else self.target_runner
-
-
-def draft_kind(proposer: str) -> str:
-    """'draft' (standalone) or 'feature' from a report's proposer name ('feature+lookup' -> 'feature')."""
-    return proposer.split("+")[0]
 
 
 def draft_refs(cfg: Config) -> tuple[str | None, str | None]:
@@ -220,59 +210,6 @@ def eval_prompts(cfg: Config, tokenizer, context_length: int) -> dict[str, list]
 
 def prompt_seed(seed: int, prompt_id: str, temperature: float) -> int:
     return int(hashlib.sha256(f"{seed}:{prompt_id}:{temperature}".encode()).hexdigest()[:12], 16)
-
-
-def aggregate(runs: list[dict], costs: dict[str, dict]) -> list[dict]:
-    """One row per (prompt set, temperature, proposer, k): pooled tokens/s and merged acceptance statistics,
-    predicted by the cost model of the proposer's draft kind (costs: by draft_kind)."""
-    def key(r: dict) -> tuple:
-        return r["prompt_set"], r["temperature"], r["proposer"], r["k"], r.get("tree") or ""
-
-    rows = []
-    for prompt_set, temperature, proposer, k, tree in sorted({key(r) for r in runs}):
-        group = [r for r in runs if key(r) == (prompt_set, temperature, proposer, k, tree)]
-        stats = SpeculativeStats(k=k)
-        for r in group:
-            stats = stats.merge(SpeculativeStats.from_dict(r["stats"]))
-        base_tok_s = sum(r["baseline_tokens"] for r in group) / sum(r["baseline_s"] for r in group)
-        spec_tok_s = sum(r["speculative_tokens"] for r in group) / sum(r["speculative_s"] for r in group)
-        cost = costs[draft_kind(proposer)]
-        # Verified per target forward: k drafted tokens for a chain, the tree's nodes (fewer near the end).
-        verified = stats.proposed / stats.target_forwards if stats.target_forwards else 0.0
-        r_block = cost["r"][k] if not tree and k in cost["r"] else verify_cost(cost["r"], max(verified, 1.0))
-        predicted = predicted_speedup(stats.tau, stats.draft_steps_per_forward, cost["c"], r_block)
-        speedup = spec_tok_s / base_tok_s
-        greedy = [r["greedy_identical"] for r in group if r["greedy_identical"] is not None]
-        rows.append({
-            "prompt_set": prompt_set, "temperature": temperature, "proposer": proposer, "k": k, "tree": tree or None,
-            "verified_per_forward": verified, "target_forwards": stats.target_forwards,
-            "n_prompts": len(group), "looked_up": stats.looked_up, "looked_up_accepted": stats.looked_up_accepted,
-            "draft_steps_per_forward": stats.draft_steps_per_forward,
-            "alpha": stats.alpha, "token_acceptance": stats.token_acceptance, "tau": stats.tau, "per_position_acceptance": stats.per_position_acceptance,
-            "accept_length_hist": stats.accept_length_hist,
-            "baseline_tok_s": base_tok_s, "speculative_tok_s": spec_tok_s, "speedup": speedup,
-            "speedup_per_prompt": {"median": statistics.median(r["speedup"] for r in group),
-                                   "min": min(r["speedup"] for r in group), "max": max(r["speedup"] for r in group)},
-            "predicted_speedup": predicted,
-            "measured_over_predicted": speedup / predicted if predicted else None,
-            "greedy_identical": all(greedy) if greedy else None,
-        })
-    return rows
-
-
-def verdict(results: list[dict], reliability: dict) -> str:
-    """GO / NO-GO from the best row, or withheld when a busy machine made the timings unreliable."""
-    if not reliability["reliable"]:
-        return ("VERDICT WITHHELD: timings unreliable: machine busy (see timing reliability); "
-                "rerun eval-speedup on an otherwise idle machine before trusting any speedup here.")
-    best = max(results, key=lambda r: r["speedup"])
-    if best["speedup"] > 1.05:
-        which = "the feature draft" if draft_kind(best["proposer"]) == "feature" else "this draft"
-        return (f"GO: {which}{' with prompt lookup' if '+lookup' in best['proposer'] else ''} speeds up "
-                f"this target here by {best['speedup']:.2f}× at k={best['k']} "
-                f"(T={best['temperature']}, {best['prompt_set']}; α={best['alpha']:.2f}, τ={best['tau']:.2f}).")
-    return (f"NO-GO: best measured speedup {best['speedup']:.2f}× (k={best['k']}, T={best['temperature']}, "
-            f"{best['prompt_set']}); target-only decoding is as fast or faster here.")
 
 
 def first_prompt_ids(s: Setup) -> list[int]:
@@ -406,133 +343,6 @@ def main(argv: list[str] | None = None) -> dict:
         log_to_wandb(tracker, report)
     print_headline(report, s.out_dir)
     return report
-
-
-def build_report(s: Setup, argv: list[str] | None, costs: dict[str, dict], costs_end: dict[str, dict],
-                 results: list[dict], hf_rows: list[dict], runs: list[dict]) -> dict:
-    """report.json. cost_model / cost_model_end: the standalone draft's (the feature draft's when it is
-    measured alone), which the timing-reliability check reads; feature_cost_model: the feature draft's."""
-    cfg = s.cfg
-    target_params = param_count(s.target)
-    standalone, feature = s.draft is not None, s.feature is not None
-    kind = "draft" if standalone else "feature"
-    report = {
-        "command": " ".join(["python -m decode.bench"] + (argv if argv is not None else sys.argv[1:])),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": machine_class(s.device), "dtype": s.dtype.as_record(), "git_sha": git_revision() or "unknown",
-        "backend": type(s.target_runner).__name__,
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "transformers": __import__("transformers").__version__},
-        "config": config_to_dict(cfg), "max_new_tokens": cfg.eval.max_new_tokens,
-        "target": {"ref": cfg.target, "params": target_params},
-        "draft": draft_record(cfg.draft, s.draft, target_params) if standalone else None,
-        "feature_draft": (draft_record(cfg.eval.feature_draft if standalone else cfg.draft, s.feature, target_params)
-                          if feature else None),
-        "prompt_sets": {name: [p.prompt_id for p in prompts] for name, prompts in s.prompt_sets.items()},
-        "cost_model": costs[kind], "cost_model_end": costs_end[kind],
-        "feature_cost_model": {"start": costs["feature"], "end": costs_end["feature"]} if feature else None,
-        "results": results, "hf": hf_rows, "runs": runs,
-    }
-    report["timing_reliability"] = timing_reliability(report, s.device.type)
-    report["verdict"] = verdict(results, report["timing_reliability"])
-    return report
-
-
-def draft_record(ref: str, model: torch.nn.Module, target_params: int) -> dict:
-    """A draft's reference, size (every weight it adds) and vocabulary subset, for the report header."""
-    params = param_count(model)
-    if isinstance(model, FeatureDraft):
-        subset, layers = model.config.draft_vocab_size, model.config.target_layers
-    else:
-        vocab = VocabSubset.from_config(model.config)
-        subset, layers = (vocab.size if vocab is not None else None), None
-    return {"ref": ref, "params": params, "param_ratio": params / target_params, "vocab_subset": subset,
-            "target_layers": layers}
-
-
-def log_to_wandb(tracker, report: dict) -> None:
-    for row in report["results"]:
-        tracker.log({f"{row['prompt_set']}/T{row['temperature']}/{row['proposer']}/k{row['k']}/{m}": row[m]
-                     for m in ("alpha", "tau", "speedup", "predicted_speedup") if row[m] is not None})
-    tracker.summary.update({"verdict": report["verdict"], "c": report["cost_model"]["c"],
-                            "timing_reliable": report["timing_reliability"]["reliable"]})
-    tracker.finish()
-
-
-def hf_comparisons(s: Setup, results: list[dict], greedy_tokens: dict[tuple[str, str], list[int]]) -> list[dict]:
-    """HF greedy, assisted generation and prompt lookup on the same prompts (greedy, timed the same way)."""
-    ev = s.cfg.eval
-    # HF assisted generation runs a standalone draft only (it has no feature-draft mode).
-    assistant = s.draft
-    if s.draft is not None and VocabSubset.from_config(s.draft.config) is not None:
-        assistant = full_vocab_view(s.draft)
-    kinds = ("hf assisted", "hf prompt lookup") if assistant is not None else ("hf prompt lookup",)
-    methods = [("hf greedy", None)] + [(m, k) for k in ev.hf_ks for m in kinds]
-    # HF assisted generation runs the draft alone: compare it with our draft-only rows.
-    ours = {(r["prompt_set"], r["k"]): r for r in results if r["temperature"] == 0 and r["proposer"] == "draft"}
-    rows = []
-    for set_name, prompts in s.prompt_sets.items():
-        base_rows = [r for r in results if r["prompt_set"] == set_name and r["temperature"] == 0]
-        for method, k in tqdm(methods, desc=f"hf baselines {set_name}", dynamic_ncols=True):
-            tok_s, identical = time_hf_method(s, set_name, prompts, method, k, assistant, greedy_tokens)
-            row = {"prompt_set": set_name, "method": method, "k": k, "tok_s": tok_s, "identical_to_ours": identical}
-            if base_rows:
-                row["vs_our_baseline"] = tok_s / base_rows[0]["baseline_tok_s"]
-            if k is not None and (set_name, k) in ours:
-                row["ours_over_this"] = ours[(set_name, k)]["speculative_tok_s"] / tok_s
-            rows.append(row)
-    return rows
-
-
-def time_hf_method(s: Setup, set_name: str, prompts: list, method: str, k: int | None, assistant,
-                   greedy_tokens: dict[tuple[str, str], list[int]]) -> tuple[float, bool]:
-    """(tokens/s pooled over the prompts, whether every output equals our target-only greedy tokens)."""
-    ev, eos = s.cfg.eval, s.tokenizer.eos_token_id
-    tokens, seconds, identical = 0, 0.0, True
-    for prompt in prompts:
-        input_ids = torch.tensor([prompt.token_ids], device=s.device)
-        key = (set_name, prompt.prompt_id)
-        if key not in greedy_tokens:
-            greedy_tokens[key] = target_decode(s.target_runner, input_ids, max_new_tokens=ev.max_new_tokens,
-                                               sampling=SamplingParams(), eos_token_id=eos).tolist()
-        times: list[float] = []
-        with timed(s.device, times):
-            new = hf_generate(s.target, input_ids, ev.max_new_tokens, eos,
-                              assistant=assistant if method == "hf assisted" else None, k=k or 4,
-                              prompt_lookup=method == "hf prompt lookup")
-        tokens += len(new)
-        seconds += times[0]
-        identical &= new.tolist() == greedy_tokens[key]
-    return tokens / seconds, identical
-
-
-def write_outputs(report: dict, samples: list[dict], out_dir: Path) -> None:
-    (out_dir / "report.json").write_text(json.dumps(report, indent=2, default=str))
-    with open(out_dir / "samples.jsonl", "w") as f:
-        for sample in samples:
-            f.write(json.dumps(sample) + "\n")
-    write_markdown(report, out_dir / "report.md")
-    write_plots(report, out_dir)
-
-
-def print_headline(report: dict, out_dir: Path) -> None:
-    reliability = report["timing_reliability"]
-    if not reliability["reliable"]:
-        print("\ntimings unreliable: machine busy; the go/no-go verdict is withheld:")
-        for reason in reliability["reasons"]:
-            print(f"  - {reason}")
-    print(f"\n{'prompts':<22}{'T':>5}{'proposer':>16}{'k':>4}  {'tree':<34}{'alpha':>6}{'tau':>7}{'speedup':>9}"
-          f"{'pred':>7}  greedy-identical")
-    for r in report["results"]:
-        same = "-" if r["greedy_identical"] is None else str(r["greedy_identical"])
-        pred = f"{r['predicted_speedup']:.2f}" if r["predicted_speedup"] else "-"
-        print(f"{r['prompt_set']:<22}{r['temperature']:>5}{r['proposer']:>16}{r['k']:>4}  {r.get('tree') or 'chain':<34}"
-              f"{r['alpha']:>6.2f}{r['tau']:>7.2f}{r['speedup']:>8.2f}x{pred:>7}  {same}")
-    for r in report["hf"]:
-        extra = f", ours speculative is {r['ours_over_this']:.2f}x this" if r.get("ours_over_this") else ""
-        print(f"{r['prompt_set']}: {r['method']}{' k=' + str(r['k']) if r['k'] else ''}: {r['tok_s']:.1f} tok/s"
-              f" ({r.get('vs_our_baseline', float('nan')):.2f}x our target-only{extra})")
-    print(f"\n{report['verdict']}\nfull report: {out_dir / 'report.md'}")
 
 
 if __name__ == "__main__":

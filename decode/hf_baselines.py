@@ -7,12 +7,19 @@ These are comparisons, not our decoder: they show our target-only baseline is no
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING
 
 import torch
+from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from decode.sampling import SamplingParams
+from decode.speculative import target_decode
+from decode.timing import timed
 from decode.vocab import VocabSubset
+
+if TYPE_CHECKING:
+    from decode.bench import Setup
 
 
 def full_vocab_view(draft):
@@ -57,3 +64,50 @@ def hf_generate(target, input_ids: torch.Tensor, max_new_tokens: int, eos_token_
         out = target.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                               generation_config=config, **kwargs)
     return out[0, input_ids.shape[1]:]
+
+
+def hf_comparisons(s: Setup, results: list[dict], greedy_tokens: dict[tuple[str, str], list[int]]) -> list[dict]:
+    """HF greedy, assisted generation and prompt lookup on the same prompts (greedy, timed the same way)."""
+    ev = s.cfg.eval
+    # HF assisted generation runs a standalone draft only (it has no feature-draft mode).
+    assistant = s.draft
+    if s.draft is not None and VocabSubset.from_config(s.draft.config) is not None:
+        assistant = full_vocab_view(s.draft)
+    kinds = ("hf assisted", "hf prompt lookup") if assistant is not None else ("hf prompt lookup",)
+    methods = [("hf greedy", None)] + [(m, k) for k in ev.hf_ks for m in kinds]
+    # HF assisted generation runs the draft alone: compare it with our draft-only rows.
+    ours = {(r["prompt_set"], r["k"]): r for r in results if r["temperature"] == 0 and r["proposer"] == "draft"}
+    rows = []
+    for set_name, prompts in s.prompt_sets.items():
+        base_rows = [r for r in results if r["prompt_set"] == set_name and r["temperature"] == 0]
+        for method, k in tqdm(methods, desc=f"hf baselines {set_name}", dynamic_ncols=True):
+            tok_s, identical = time_hf_method(s, set_name, prompts, method, k, assistant, greedy_tokens)
+            row = {"prompt_set": set_name, "method": method, "k": k, "tok_s": tok_s, "identical_to_ours": identical}
+            if base_rows:
+                row["vs_our_baseline"] = tok_s / base_rows[0]["baseline_tok_s"]
+            if k is not None and (set_name, k) in ours:
+                row["ours_over_this"] = ours[(set_name, k)]["speculative_tok_s"] / tok_s
+            rows.append(row)
+    return rows
+
+
+def time_hf_method(s: Setup, set_name: str, prompts: list, method: str, k: int | None, assistant,
+                   greedy_tokens: dict[tuple[str, str], list[int]]) -> tuple[float, bool]:
+    """(tokens/s pooled over the prompts, whether every output equals our target-only greedy tokens)."""
+    ev, eos = s.cfg.eval, s.tokenizer.eos_token_id
+    tokens, seconds, identical = 0, 0.0, True
+    for prompt in prompts:
+        input_ids = torch.tensor([prompt.token_ids], device=s.device)
+        key = (set_name, prompt.prompt_id)
+        if key not in greedy_tokens:
+            greedy_tokens[key] = target_decode(s.target_runner, input_ids, max_new_tokens=ev.max_new_tokens,
+                                               sampling=SamplingParams(), eos_token_id=eos).tolist()
+        times: list[float] = []
+        with timed(s.device, times):
+            new = hf_generate(s.target, input_ids, ev.max_new_tokens, eos,
+                              assistant=assistant if method == "hf assisted" else None, k=k or 4,
+                              prompt_lookup=method == "hf prompt lookup")
+        tokens += len(new)
+        seconds += times[0]
+        identical &= new.tolist() == greedy_tokens[key]
+    return tokens / seconds, identical

@@ -8,11 +8,6 @@ standalone draft's recipe: distill/training/recipe.py.
   torchrun --standalone --nproc_per_node 2 -m distill.train --config ...           CPU: gloo, DDP
   ... distill.deepspeed_config=configs/deepspeed_zero2.json                         ZeRO-2/3
   accelerate launch --config_file configs/fsdp.yaml -m distill.train --config ...   GPUs: FSDP
-
-One optimizer step = micro_batch_size x grad_accum x world_size examples (e.g. 8 x 4 x 2 = 64
-prompts, ~6k completion tokens at 96 new tokens each). The loss is a sum over completion tokens
-divided by the GLOBAL count of those tokens in the step (all micro-batches, all ranks, counted
-before any backward), so the gradient does not depend on how the step is split.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from decode.bench import print_headline, verdict
+from decode.eval_results import print_headline, verdict
 from decode.report import reliability_lines
 from decode.timing import timing_reliability
 

@@ -2,10 +2,10 @@
 optimizer, resume) -> loop (train step, maybe evaluate, maybe save) -> final summary. The feature draft's
 FeatureRecipe (distill/training/feature.py) subclasses it; `make distill` (distill/train.py) picks one.
 
-One optimizer step = micro_batch_size x grad_accum x world_size examples (e.g. 8 x 4 x 2 = 64
-prompts, ~6k completion tokens at 96 new tokens each). The loss is a sum over completion tokens
-divided by the GLOBAL count of those tokens in the step (all micro-batches, all ranks, counted
-before any backward), so the gradient does not depend on how the step is split.
+One optimizer step = micro_batch_size x grad_accum x world_size examples (e.g. 8 x 4 x 2 = 64 prompts,
+~6k completion tokens at 96 new tokens each). The loss is a sum over completion tokens divided by the
+GLOBAL count of those tokens in the step (all micro-batches, all ranks, counted before any backward),
+so the gradient does not depend on how the step is split.
 """
 
 from __future__ import annotations
