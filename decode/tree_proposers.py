@@ -155,14 +155,8 @@ def level_window(tree: TokenTree, nodes: list[int], slots: dict[int, int], prefi
     return positions, visible
 
 
-class DraftTreeProposer:
-    """A standalone draft LM drafting trees (implements decode.tree_decode.TreeProposer)."""
-
-    def __init__(self, runner: Runner):
-        check_tree_runner(runner, "draft")
-        self.chain = DraftProposer(runner)  # reset, rollback and the draft's readable ids
-        self.runner, self.draft_ids, self.max_length = runner, self.chain.draft_ids, runner.max_length
-        self.forwards, self.costs = 0, None
+class _ChainBacked:
+    """A tree proposer over a chain proposer (`self.chain`) that keeps the draft's state between trees."""
 
     def reset(self, prompt_ids: list[int]) -> None:
         self.chain.reset(prompt_ids)
@@ -173,6 +167,16 @@ class DraftTreeProposer:
     def propose_tree(self, committed: list[int], shape: TreeShape, max_depth: int, sampling: SamplingParams,
                      generator: torch.Generator | None) -> tuple[TokenTree, int]:
         return build_tree(self, committed, shape, max_depth, sampling, generator)
+
+
+class DraftTreeProposer(_ChainBacked):
+    """A standalone draft LM drafting trees (implements decode.tree_decode.TreeProposer)."""
+
+    def __init__(self, runner: Runner):
+        check_tree_runner(runner, "draft")
+        self.chain = DraftProposer(runner)  # reset, rollback and the draft's readable ids
+        self.runner, self.draft_ids, self.max_length = runner, self.chain.draft_ids, runner.max_length
+        self.forwards, self.costs = 0, None
 
     def root(self, committed: list[int]) -> torch.Tensor:
         ids = self.chain.readable(committed[self.runner.length:])
@@ -190,7 +194,7 @@ class DraftTreeProposer:
         self.runner.rollback(self.prefix_end)
 
 
-class FeatureTreeProposer:
+class FeatureTreeProposer(_ChainBacked):
     """The feature draft drafting trees (implements decode.tree_decode.TreeProposer): node i's level reads
     its parent's output and the target's embedding of its token, at position prefix + depth."""
 
@@ -201,16 +205,6 @@ class FeatureTreeProposer:
     @property
     def forwards(self) -> int:
         return self.chain.forwards
-
-    def reset(self, prompt_ids: list[int]) -> None:
-        self.chain.reset(prompt_ids)
-
-    def rollback(self, n_committed: int) -> None:
-        self.chain.rollback(n_committed)
-
-    def propose_tree(self, committed: list[int], shape: TreeShape, max_depth: int, sampling: SamplingParams,
-                     generator: torch.Generator | None) -> tuple[TokenTree, int]:
-        return build_tree(self, committed, shape, max_depth, sampling, generator)
 
     def root(self, committed: list[int]) -> torch.Tensor | None:
         out = self.chain.out_before(committed)
