@@ -1,6 +1,5 @@
-"""DistillRecipe: the standalone draft's training, read top to bottom: setup (data, draft, teacher,
-optimizer, resume) -> loop (train step, maybe evaluate, maybe save) -> final summary. The feature draft's
-FeatureRecipe (distill/training/feature.py) subclasses it; `make distill` (distill/train.py) picks one.
+"""DistillRecipe, read top to bottom: setup (data, draft, teacher, optimizer, resume) -> loop (train step,
+maybe evaluate, maybe save) -> summary. FeatureRecipe (distill/training/feature.py) subclasses it.
 
 One optimizer step = micro_batch_size x grad_accum x world_size examples (e.g. 8 x 4 x 2 = 64 prompts,
 ~6k completion tokens at 96 new tokens each). The loss is a sum over completion tokens divided by the
