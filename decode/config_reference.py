@@ -1,4 +1,4 @@
-"""The configuration reference (docs/configuration.md), generated from the dataclasses in decode/config.py.
+"""The configuration reference (docs/configuration.md), generated from the config dataclasses (decode/config*.py).
 
     python -m decode.config_reference > docs/configuration.md      (or: make docs)
 
@@ -19,7 +19,7 @@ from decode.config import Config
 
 HEADER = """# Configuration reference
 
-Generated from the config classes in `decode/config.py` by `make docs`
+Generated from the config classes (`decode/config.py` and the sections it imports) by `make docs`
 (`python -m decode.config_reference > docs/configuration.md`); do not edit by hand.
 Every key can be set in a config file (`CONFIG=configs/x.yaml`) or on the command line
 (`ARGS="key.sub=value ..."`); `python -m decode.bench --help` lists the same keys with their defaults.
