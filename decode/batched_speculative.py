@@ -14,8 +14,8 @@ decoding at the same batch size: the baseline a serving speedup is measured agai
 adaptive=True makes k a maximum: when a batch forms, one draft forward and target forwards of 1..k+1
 tokens per row are timed on it (r(n, batch) and c in target steps), and each round drafts the k
 (0..k, 0: none) that maximises the predicted tokens per unit time, (1 - α^(k+1)) / (1 - α) / cost(k), α
-being the acceptance so far and cost(k) = k c + r(k) corrected by the rounds timed with that k
-(`AdaptiveK`).
+being the acceptance so far and cost(k) = k c + r(k) scaled by how much longer the timed rounds took
+than predicted (`AdaptiveK`).
 
 The invariants, per row: the target holds its committed text but the last token; the draft holds a
 prefix of committed + drafted text (`pending`: the committed tokens it has not read yet).
@@ -202,33 +202,38 @@ def _draft(draft: RaggedRunner, live: list[_Row], limits: list[int], sampling: S
 class AdaptiveK:
     """The k of each round (0: no drafting) from each k's cost and the acceptance so far.
 
-    A k's cost is the time of a round with it, in one-token target forwards: first predicted from the
-    forwards `measure_costs` times (k draft forwards + a verification of k + 1 tokens per row), then
-    moved toward every round actually timed with it, so the host work per row that the forwards leave
-    out (acceptance, sampling, bookkeeping) enters too. A round is worth the expected tokens per row,
-    (1 - α^(k+1)) / (1 - α) at acceptance α."""
+    A k's cost is the time of a round with it, in one-token target forwards: predicted from the forwards
+    `measure_costs` times (k draft forwards + a verification of k + 1 tokens per row), times that k's
+    ratio of timed to predicted rounds (until it has one, the ratio of the rounds timed so far): the host
+    work per row that the forwards leave out (acceptance, sampling, bookkeeping) enters too. A round is
+    worth the expected tokens per row, (1 - α^(k+1)) / (1 - α) at acceptance α."""
 
     PRIOR = (1, 2)
     """Acceptance before any block: 1 of 2 guesses, worth two guesses of evidence."""
-    EXPLORE_EVERY = 8
-    """Every this many rounds the k timed longest ago runs instead of the best one, so no estimate (of
-    its cost, or of the acceptance while drafting is off) goes stale."""
+    EXPLORE_EVERY = 16
+    """Every this many rounds a neighbour of the best k (one more or one fewer, the one timed longer ago)
+    runs instead, so the estimates near the choice stay measured, also while drafting is off."""
     TIMED_WEIGHT = 0.3
-    """How far one timed round moves its k's cost."""
+    """How far one timed round moves its k's ratio."""
 
     def __init__(self, k_max: int):
         self.k_max = k_max
         self.accepted, self.tried = self.PRIOR
         self.step_seconds: float | None = None
-        self.cost: dict[int, float] = {}
+        self.predicted: dict[int, float] = {}
+        self.ratio: dict[int, float] = {}
         self.last_used: dict[int, int] = {}
         self.rounds = 0
 
     def start(self, step_seconds: float, c: float, r: dict[int, float]) -> None:
         """The predicted costs from measure_costs' figures."""
         self.step_seconds = step_seconds
-        self.cost = {0: 1.0} | {k: k * c + r[k] for k in range(1, self.k_max + 1)}
-        self.last_used = dict.fromkeys(self.cost, 0)
+        self.predicted = {0: 1.0} | {k: k * c + r[k] for k in range(1, self.k_max + 1)}
+        self.last_used = dict.fromkeys(self.predicted, 0)
+
+    def cost(self, k: int) -> float:
+        shared = sum(self.ratio.values()) / len(self.ratio) if self.ratio else 1.0
+        return self.predicted[k] * self.ratio.get(k, shared)
 
     def expected_tokens(self, k: int) -> float:
         alpha = min(self.accepted / self.tried, 0.99)
@@ -236,16 +241,18 @@ class AdaptiveK:
 
     def choose(self) -> int:
         self.rounds += 1
-        best = max(self.cost, key=lambda k: self.expected_tokens(k) / self.cost[k])
+        best = max(self.predicted, key=lambda k: self.expected_tokens(k) / self.cost(k))
         if self.rounds % self.EXPLORE_EVERY == 0:
-            return min((k for k in self.cost if k != best), key=self.last_used.get, default=best)
+            neighbours = [k for k in (best - 1, best + 1) if k in self.predicted]
+            return min(neighbours, key=self.last_used.get, default=best)
         return best
 
     def observe(self, k: int, seconds: float, accepted: int, tried: int) -> None:
         """One round with k took `seconds` and accepted `accepted` of `tried` guesses."""
         self.accepted += accepted
         self.tried += tried
-        self.cost[k] += self.TIMED_WEIGHT * (seconds / self.step_seconds - self.cost[k])
+        timed = seconds / self.step_seconds / self.predicted[k]
+        self.ratio[k] = self.ratio.get(k, timed) + self.TIMED_WEIGHT * (timed - self.ratio.get(k, timed))
         self.last_used[k] = self.rounds
 
 
