@@ -55,8 +55,8 @@ def build_tree(drafter: LevelDrafter, committed: list[int], shape: TreeShape, ma
         return tree, drafter.forwards - forwards
     frontier, scores = [-1], {-1: 0.0}  # cumulative log draft probability of each node
     logits = logits[None]
+    static = isinstance(shape, StaticTree)
     for d in range(depth):
-        static = isinstance(shape, StaticTree)
         width = shape.branching[d] if static else shape.branch
         if static and shape.sampled and not sampling.greedy:
             new = _draw_children(tree, frontier, sampling.warp(logits), width, drafter.draft_ids, generator, scores)
