@@ -7,7 +7,7 @@ NPROC  ?= 1
 # Multi-process runs use torchrun (on CPU, `accelerate launch --cpu` runs a single process).
 LAUNCH  = $(if $(filter-out 1,$(NPROC)),$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) -m,$(PY) -m)
 
-.PHONY: setup test test-fast demo demo-feature generate-data distill features eval-speedup docs clean
+.PHONY: setup test test-fast demo demo-feature generate-data distill onpolicy features eval-speedup docs clean
 
 setup: $(VENV)/.installed
 
@@ -28,6 +28,11 @@ generate-data: setup
 
 distill: setup
 	$(LAUNCH) distill.train --config $(CONFIG) $(ARGS)
+
+# After make distill: rounds in which the draft samples completions, the target scores them, training
+# continues on the mixture (onpolicy.* settings; its rounds.json says what each round reached).
+onpolicy: setup
+	$(PY) -m distill.onpolicy --config $(CONFIG) $(ARGS)
 
 # A feature draft's stored teacher (distill.teacher=stored): the target's hidden states of the layers it reads.
 features: setup

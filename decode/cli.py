@@ -43,7 +43,7 @@ def cli_config(argv: list[str] | None, description: str) -> Config:
 
 def _help_epilog() -> str:
     lines = ["config keys (defaults):"]
-    sections = ("generate", "distill", "eval", "engines", "wandb")
+    sections = ("generate", "distill", "onpolicy", "eval", "engines", "wandb")
     for section in (None,) + sections:
         cls = Config if section is None else typing.get_type_hints(Config)[section]
         for f in dataclasses.fields(cls):

@@ -24,7 +24,7 @@ import yaml
 
 from decode.config_checks import suggest
 from decode.config_eval import EnginesConfig, EvalConfig, WandbConfig
-from decode.config_training import DistillConfig, GenerateConfig
+from decode.config_training import DistillConfig, GenerateConfig, OnPolicyConfig
 from decode.errors import UserError
 
 
@@ -44,14 +44,15 @@ class Config:
     """Draft model for eval-speedup (same reference kinds as target)."""
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    onpolicy: OnPolicyConfig = field(default_factory=OnPolicyConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     engines: EnginesConfig = field(default_factory=EnginesConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def validate(self) -> None:
         """Check values that are well-typed but impossible, in every section. Raises ConfigError."""
-        problems = (self.generate.problems() + self.distill.problems() + self.eval.problems()
-                    + self.engines.problems())
+        problems = (self.generate.problems() + self.distill.problems() + self.onpolicy.problems()
+                    + self.eval.problems() + self.engines.problems())
         if "data:eval" in self.eval.prompts and self.generate.eval_fraction == 0:
             problems.append("eval.prompts: 'data:eval' is the held-out split of generate.out_dir, which "
                             "generate.eval_fraction=0 leaves empty")

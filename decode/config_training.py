@@ -47,6 +47,10 @@ class GenerateConfig:
     """Score mode: the field holding a response to each prompt (a local file's field or column; 'answer'
     for gsm8k's human-written solutions). Each prompt then gets the chat template and the target is
     teacher-forced over its response + EOS (distill/generation/pairs.py). None: score raw text."""
+    rollout_draft: str | None = None
+    """On-policy data: a draft folder (a run's final/) that samples every completion in place of the
+    target, which then scores it: its top-k per token at prefill cost, for training that draft further
+    (distill/generation/rollout.py, `make onpolicy`). The plan and manifest record the draft's hash."""
     system_prompt: str | None = None
     """Optional system message placed before every prompt by the chat template."""
     max_prompts: int = 0
@@ -109,6 +113,13 @@ class GenerateConfig:
                 out.append(f"generate.{name} must be >= 1")
         if self.response_field is not None and self.mode != "score":
             out.append("generate.response_field is read in score mode only: set generate.mode=score")
+        if self.rollout_draft is not None and self.mode != "generate":
+            out.append("generate.rollout_draft samples completions with the draft: it needs generate.mode=generate")
+        if self.rollout_draft is not None and self.teacher_topk <= 0:
+            out.append("generate.rollout_draft: set generate.teacher_topk >= 1 (the target's top-k is the label "
+                       "the draft's samples are for)")
+        if self.rollout_draft is not None and self.engine == "vllm":
+            out.append("generate.rollout_draft runs on the project engine: set generate.engine=project or auto")
         if self.mode == "score" and self.teacher_topk <= 0:
             out.append("generate.teacher_topk must be >= 1 in score mode (the top-k is what it stores)")
         if not 0 <= self.eval_fraction < 1:
@@ -119,7 +130,12 @@ class GenerateConfig:
 @dataclass
 class DistillConfig:
     data_dirs: list[str] = field(default_factory=lambda: ["data/default"])
-    """generate-data output folders (generated and/or scored shards) to train on."""
+    """generate-data output folders (generated and/or scored shards) to train on. The held-out set is the
+    first eval_samples held-out rows in this order, so keep the folder whose held-out rows you compare on first."""
+    data_weights: list[float] = field(default_factory=list)
+    """Mixture: one weight in [0, 1] per data dir, the share of each epoch's examples drawn from it (a
+    folder smaller than its share is repeated within the epoch, a larger one sampled). Empty: every
+    training row once per epoch, so each folder weighs by its size."""
     sources: list[str] = field(default_factory=list)
     """Only rows from these prompt sources, e.g. [gsm8k] for a workload-specialised draft (empty = all)."""
     out_dir: str = "runs/default"
@@ -228,6 +244,7 @@ class DistillConfig:
                 for name in self.loss if name not in LOSS_NAMES]
         if any(w < 0 for w in self.loss.values()) or not any(w > 0 for w in self.loss.values()):
             out.append(f"distill.loss={self.loss}: weights must be >= 0 with at least one > 0")
+        out += self._mixture_problems()
         if self.init == "scratch" and self.lora_rank > 0:
             out.append("distill.lora_rank > 0 needs a pretrained distill.init (LoRA on a random draft is pointless)")
         if self.init != "scratch" and self.vocab_subset:
@@ -245,6 +262,18 @@ class DistillConfig:
             out.append(f"distill.lr_schedule_steps={self.lr_schedule_steps} must be >= 0 (0 = max_steps)")
         if self.deepspeed_config and not Path(self.deepspeed_config).is_file():
             out.append(f"distill.deepspeed_config: {self.deepspeed_config!r} does not exist")
+        return out
+
+    def _mixture_problems(self) -> list[str]:
+        if not self.data_weights:
+            return []
+        if len(self.data_weights) != len(self.data_dirs):
+            return [f"distill.data_weights has {len(self.data_weights)} weights for {len(self.data_dirs)} "
+                    f"distill.data_dirs: give one per folder"]
+        out = [f"distill.data_weights: {w} (for {d}) is outside [0, 1]"
+               for w, d in zip(self.data_weights, self.data_dirs) if not 0 <= w <= 1]
+        if not out and not any(w > 0 for w in self.data_weights):
+            out.append("distill.data_weights are all 0: at least one folder must be trained on")
         return out
 
     def _feature_problems(self) -> list[str]:
@@ -267,3 +296,33 @@ class DistillConfig:
         if not 0 < self.ttt_decay <= 1:
             out.append(f"distill.ttt_decay={self.ttt_decay} must be in (0, 1]")
         return out
+
+
+@dataclass
+class OnPolicyConfig:
+    """`make onpolicy`: rounds after `make distill` in which the draft samples completions for the training
+    prompts, the target scores them (generate.rollout_draft) and training continues from that draft on the
+    mixture of distill.data_dirs and the rollouts (distill/onpolicy.py; DistillSpec, arXiv 2310.08461).
+    A standalone draft only."""
+    rounds: int = 1
+    """Rounds to run; round r starts from round r - 1's draft (round 1 from distill.out_dir/final)."""
+    weight: float = 0.5
+    """Share of each epoch drawn from the rollouts (every round's folder so far, evenly); distill.data_dirs
+    share the rest evenly."""
+    steps: int = 270
+    """Optimizer steps per round (the cosine schedule anneals over them, from distill.lr)."""
+    temperature: float = 0.7
+    """The draft's sampling temperature in its rollouts: the one users decode at (top-p is generate.top_p)."""
+    max_prompts: int = 0
+    """Rollouts for at most this many of generate.sources' prompts per round (0 = all)."""
+    out_dir: str = ""
+    """Where each round's rollouts and run go, and rounds.json (empty = <distill.out_dir>/onpolicy)."""
+
+    def problems(self) -> list[str]:
+        out = [f"onpolicy.{name} must be >= 1" for name in ("rounds", "steps") if getattr(self, name) < 1]
+        if not 0 <= self.weight <= 1:
+            out.append(f"onpolicy.weight: {self.weight} is outside [0, 1]")
+        if self.max_prompts < 0:
+            out.append("onpolicy.max_prompts must be >= 0 (0 = all)")
+        problem = sampling_problem("onpolicy.temperature", "temperature", self.temperature)
+        return out + ([problem] if problem else [])

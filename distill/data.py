@@ -44,6 +44,8 @@ class Example:
     topk_logp: np.ndarray | None
     """[C, K] their log-probs at T = 1, sorted descending."""
     source: str
+    folder: int = 0
+    """Index of its data dir in the list it was read from (distill.data_dirs: the mixture's groups)."""
     origin: tuple[Path, int, int] | None = None
     """(shard, row index in it, index of ids[0] in the row's untruncated prompt + completion): where the
     row's stored hidden states are (distill/features.py); None for a dummy row."""
@@ -73,7 +75,7 @@ def read_rows(data_dirs: list[str], need_topk: bool) -> list[dict]:
     error, never skipped."""
     columns = ["prompt_ids", "completion_ids", "split", "source"]
     rows = []
-    for data_dir in data_dirs:
+    for folder, data_dir in enumerate(data_dirs):
         for path in manifest_shards(data_dir):
             try:
                 table = pq.read_table(path)
@@ -86,7 +88,8 @@ def read_rows(data_dirs: list[str], need_topk: bool) -> list[dict]:
                 hint = " (set generate.teacher_topk > 0, or distill.teacher=online)" if need_topk else ""
                 raise DataError(f"shard {path} lacks columns {missing}{hint}")
             keep = columns + (["teacher_topk_ids", "teacher_topk_logprobs"] if need_topk else [])
-            rows += [{**row, "origin": (path, i)} for i, row in enumerate(table.select(keep).to_pylist())]
+            rows += [{**row, "origin": (path, i), "folder": folder}
+                     for i, row in enumerate(table.select(keep).to_pylist())]
     return rows
 
 
@@ -110,7 +113,7 @@ def make_example(row: dict, max_seq_len: int, need_topk: bool) -> Example | None
             raise DataError(f"teacher cache has {topk_ids.shape[0]} rows for {len(completion)} completion tokens")
     origin = (*row["origin"], dropped) if "origin" in row else None
     return Example(np.asarray(prompt + completion, dtype=np.int64), len(prompt), topk_ids, topk_logp,
-                   row["source"], origin)
+                   row["source"], row.get("folder", 0), origin)
 
 
 def load_examples(data_dirs: list[str], max_seq_len: int, need_topk: bool,
@@ -147,18 +150,38 @@ def token_counts(examples: list[Example], vocab_size: int) -> torch.Tensor:
 
 
 class StepSampler:
-    """Which examples each rank's micro-batches hold at a given optimizer step."""
+    """Which examples each rank's micro-batches hold at a given optimizer step.
 
-    def __init__(self, num_examples: int, micro_batch_size: int, grad_accum: int, world_size: int, seed: int):
+    With mixture `weights` (one per group, `groups[i]` = example i's group), each epoch of n examples
+    draws round(n · w_g / Σw) of them from group g: a fresh seeded permutation of the group, repeated
+    when the group is smaller than its share (oversampled) and cut when larger. Without weights every
+    example appears exactly once per epoch."""
+
+    def __init__(self, num_examples: int, micro_batch_size: int, grad_accum: int, world_size: int, seed: int,
+                 groups: list[int] | None = None, weights: list[float] | None = None):
         self.n = num_examples
         self.micro, self.accum, self.world = micro_batch_size, grad_accum, world_size
         self.global_batch = micro_batch_size * grad_accum * world_size
         self.steps_per_epoch = math.ceil(num_examples / self.global_batch)
         self.seed = seed
+        self.members = self.quotas = None
+        if weights:
+            groups = torch.tensor(groups if groups is not None else [0] * num_examples)
+            self.members = [torch.nonzero(groups == g).flatten() for g in range(len(weights))]
+            self.quotas = mixture_quotas(num_examples, weights, [len(m) for m in self.members])
 
     def epoch_order(self, epoch: int) -> list[int]:
         generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
-        return torch.randperm(self.n, generator=generator).tolist()
+        if self.members is None:
+            return torch.randperm(self.n, generator=generator).tolist()
+        picks = []
+        for members, quota in zip(self.members, self.quotas):
+            if quota:
+                repeats = math.ceil(quota / len(members))
+                picks.append(torch.cat([members[torch.randperm(len(members), generator=generator)]
+                                        for _ in range(repeats)])[:quota])
+        order = torch.cat(picks)
+        return order[torch.randperm(len(order), generator=generator)].tolist()
 
     def micro_batches(self, step: int, rank: int) -> list[list[int]]:
         """[grad_accum] lists of example indices for `rank` at 0-based optimizer step `step` (may be empty)."""
@@ -166,6 +189,21 @@ class StepSampler:
         chunk = self.epoch_order(epoch)[within * self.global_batch:(within + 1) * self.global_batch]
         mine = chunk[rank::self.world]
         return [mine[a * self.micro:(a + 1) * self.micro] for a in range(self.accum)]
+
+
+def mixture_quotas(total: int, weights: list[float], sizes: list[int]) -> list[int]:
+    """Examples per group in an epoch of `total`: proportional to the weights, rounded by largest remainder
+    so they sum to `total`. Raises DataError for a weighted group with no examples."""
+    empty = [g for g, (w, size) in enumerate(zip(weights, sizes)) if w > 0 and size == 0]
+    if empty:
+        raise DataError(f"distill.data_weights gives data dirs {empty} (0-based) a weight but they hold no "
+                        "training rows")
+    shares = [total * w / sum(weights) for w in weights]
+    quotas = [math.floor(share) for share in shares]
+    by_remainder = sorted((g for g, w in enumerate(weights) if w > 0), key=lambda g: quotas[g] - shares[g])
+    for g in by_remainder[: total - sum(quotas)]:
+        quotas[g] += 1
+    return quotas
 
 
 def collate(examples: list[Example], pad_id: int, with_topk: bool) -> dict[str, torch.Tensor]:

@@ -36,6 +36,7 @@ from distill.generation.engine_choice import choose_engine
 from distill.generation.manifest import write_manifest
 from distill.generation.plan import Row, check_or_write_plan, fingerprint, plan_rows, plan_shards
 from distill.generation.ranks import Ranks
+from distill.generation.rollout import check_rollout_draft, rollout_engine, rollout_record
 from distill.generation.runner_engine import RunnerEngine
 from distill.generation.shards import check_shard_readable, remove_stale_temp, rows_to_table, shard_name, write_shard
 from distill.generation.vllm_engine import VllmEngine
@@ -44,7 +45,7 @@ from distill.generation.vllm_engine import VllmEngine
 def run(config: Config) -> dict | None:
     """Generate (or score) every missing shard of this rank; rank 0 returns the manifest."""
     config.validate()
-    config.check_model_refs("target")
+    config.check_model_refs("target", *(["generate.rollout_draft"] if config.generate.rollout_draft else []))
     g = config.generate
     cpu = resolve_device(config.device).type == "cpu"
     choice = choose_engine(config, cpu)
@@ -62,6 +63,8 @@ def run(config: Config) -> dict | None:
             print(dtype.line, file=sys.stderr)
         out_dir = Path(g.out_dir)
         tokenizer = load_tokenizer(config.target)
+        if g.rollout_draft is not None:
+            check_rollout_draft(config, tokenizer)
         if choice.name == "vllm":
             # Not started yet: the plan and resume check come first, and a finished folder never starts vLLM.
             engine = cleanup.enter_context(VllmEngine(config, choice.vllm_version, tokenizer, cpu=cpu))
@@ -70,11 +73,14 @@ def run(config: Config) -> dict | None:
             model, runner = load_runner(config, ranks.device)
             engine = RunnerEngine(runner, eos_ids(tokenizer, model.generation_config), g.batch_size,
                                   g.max_batch_tokens)
+            if g.rollout_draft is not None:
+                engine = rollout_engine(config, engine, lambda draft: batched_runner(config, draft))
             context_length = getattr(model.config, "max_position_embeddings", None)
 
         prompt_set, rows = plan_rows(config, tokenizer, context_length)
         shards = plan_shards(rows, g.shard_size)
-        run_fingerprint = fingerprint(config, tokenizer, shards, choice.name, engine.sampler)
+        run_fingerprint = {**fingerprint(config, tokenizer, shards, choice.name, engine.sampler),
+                           **rollout_record(config)}
         if choice.name == "vllm":
             start_vllm(engine, out_dir, run_fingerprint, shards, ranks)
         start_or_resume(out_dir, config, run_fingerprint, ranks)
@@ -100,11 +106,16 @@ def load_runner(config: Config, device: torch.device):
     """The target behind a batched runner. The lean runner keeps fp32 weights and residual stream
     and, with generate.dtype bf16 (resolved: never 'auto' here), runs only its GEMMs in bf16; HF
     forwards run wholly in it."""
-    g = config.generate
     model = load_model(config.target, device=device, dtype=torch.float32)
+    return model, batched_runner(config, model)
+
+
+def batched_runner(config: Config, model: torch.nn.Module):
+    """`model` (the target, or a rollout draft) behind generate.backend's batched runner in generate.dtype."""
+    g = config.generate
     matmul_dtype = torch.bfloat16 if g.dtype == "bf16" else None
     try:
-        return model, make_batched_runner(model, g.backend, matmul_dtype)
+        return make_batched_runner(model, g.backend, matmul_dtype)
     except ValueError as e:  # e.g. backend 'lean' for a model the lean forward does not cover
         raise ConfigError(f"generate.backend {g.backend!r}: {e}") from e
 

@@ -103,6 +103,9 @@ def test_wrong_types(override, message):
     ("distill.precision=bfloat16", "distill.precision"),
     ("distill.embed_init=zeros", "distill.embed_init"),
     ("distill.deepspeed_config=configs/no-such.json", "deepspeed_config: 'configs/no-such.json' does not exist"),
+    ("distill.data_weights=[0.5, 0.5]", "2 weights for 1 distill.data_dirs"),
+    ("distill.data_weights=[1.5]", r"data_weights: 1.5 \(for data/tiny\) is outside \[0, 1\]"),
+    ("distill.data_weights=[0]", "data_weights are all 0"),
     # Across sections: generate-data with this config holds nothing out for 'data:eval'.
     ("generate.eval_fraction=0", "generate.eval_fraction=0 leaves empty"),
 ])

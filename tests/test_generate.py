@@ -335,6 +335,51 @@ def test_a_source_without_responses_is_one_clear_error(tmp_path, sources, field,
     assert not (tmp_path / "out" / "plan.json").exists()
 
 
+def _draft_folder(path, trained_for=None) -> Path:
+    """tiny:draft saved as a run's final/ would be: weights, the shared tokenizer, the run's config.yaml."""
+    load_model("tiny:draft").save_pretrained(path)
+    load_tokenizer("tiny:target").save_pretrained(path)
+    if trained_for is not None:
+        (Path(path) / "config.yaml").write_text(f"target: {trained_for}\n")
+    return Path(path)
+
+
+def test_rollouts_are_the_drafts_samples_labelled_by_the_target(tmp_path, target):
+    """generate.rollout_draft: each completion is the one the draft alone would sample (same seed streams),
+    its top-k the target's over that completion; the plan records the draft, and another draft is refused."""
+    draft = _draft_folder(tmp_path / "draft", trained_for="tiny:target")
+    run(config_for(tmp_path / "rollouts", f"generate.rollout_draft={draft}", *NO_TOP_P))
+    run(config_for(tmp_path / "draft-alone", f"target={draft}", *NO_TOP_P))
+    key = lambda r: r["prompt_id"]  # noqa: E731
+    rollouts, alone = sorted(read_rows(tmp_path / "rollouts"), key=key), sorted(read_rows(tmp_path / "draft-alone"), key=key)
+    assert [r["completion_ids"] for r in rollouts] == [r["completion_ids"] for r in alone]
+    assert [r["teacher_topk_ids"] for r in rollouts] != [r["teacher_topk_ids"] for r in alone]
+    for row in rollouts[:4]:
+        ids = torch.tensor([row["prompt_ids"] + row["completion_ids"]])
+        with torch.no_grad():
+            logp = torch.log_softmax(target(ids).logits[0].float(), -1)[len(row["prompt_ids"]) - 1:-1]
+        assert torch.equal(logp.topk(4).indices.int(), torch.tensor(row["teacher_topk_ids"]))
+    plan = json.loads((tmp_path / "rollouts" / PLAN_FILE).read_text())
+    assert plan["rollout_draft"] == str(draft) and plan["rollout_draft_hash"] and plan["sampler"].startswith("draft-")
+    load_model("tiny:target").save_pretrained(draft)  # the same folder, other weights: another draft
+    with pytest.raises(ResumeMismatch, match="rollout_draft_hash"):
+        run(config_for(tmp_path / "rollouts", f"generate.rollout_draft={draft}", *NO_TOP_P))
+
+
+@pytest.mark.parametrize("overrides, error", [
+    (["generate.rollout_draft={other}"], "was trained for target 'tiny:draft', not 'tiny:target'"),
+    (["generate.rollout_draft={missing}"], "generate.rollout_draft: model path .* does not exist"),
+    (["generate.rollout_draft={ok}", "generate.mode=score"], "rollout_draft .* needs generate.mode=generate"),
+    (["generate.rollout_draft={ok}", "generate.teacher_topk=0"], "rollout_draft: set generate.teacher_topk >= 1"),
+])
+def test_a_bad_rollout_draft_is_one_error_before_any_shard(tmp_path, overrides, error):
+    folders = {"other": _draft_folder(tmp_path / "other", trained_for="tiny:draft"),
+               "ok": _draft_folder(tmp_path / "ok"), "missing": tmp_path / "missing"}
+    with pytest.raises(UserError, match=error):
+        run(config_for(tmp_path / "out", *[o.format(**folders) for o in overrides]))
+    assert not (tmp_path / "out" / PLAN_FILE).exists()
+
+
 # ----------------------------------------------------------------------------- processes
 
 

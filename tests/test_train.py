@@ -2,6 +2,7 @@
 non-finite guard, DeepSpeed, LoRA, golden losses and a `make distill` smoke run. Tiny models, CPU."""
 
 import json
+from collections import Counter
 import os
 import signal
 import subprocess
@@ -21,10 +22,11 @@ from decode.config import ConfigError, load_config
 from decode.models import load_model, load_tokenizer
 from decode.vocab import VocabSubset
 from distill.checkpoint import latest_checkpoint
-from distill.data import DataError, StepSampler, load_examples
+from distill.data import DataError, StepSampler, load_examples, mixture_quotas
 from distill.disk import DiskFullError
 from distill.train import train
 from distill.training.recipe import NonFiniteError
+from distill.training.resume import changed_settings
 from tests.synthetic_shards import write_manifest, write_scored_shards
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,6 +110,31 @@ def test_sharding_covers_every_example_once_per_epoch():
     for step in range(5):  # same examples per optimizer step whatever the split
         assert sorted(i for m in one.micro_batches(step, 0) for i in m) == \
             sorted(i for r in range(2) for m in two.micro_batches(step, r) for i in m)
+
+
+def test_a_mixture_draws_each_folders_share_of_every_epoch():
+    """20 rows of folder 0 and 5 of folder 1 weighed 0.5 / 0.5: each epoch of 25 holds 12-13 of each, the small
+    folder repeated, the large one sampled; the same steps give the same examples (resume needs nothing else)."""
+    groups = [0] * 20 + [1] * 5
+    sampler = StepSampler(25, 4, 1, 1, seed=3, groups=groups, weights=[0.5, 0.5])
+    for epoch in range(3):
+        order = sampler.epoch_order(epoch)
+        drawn = Counter(groups[i] for i in order)
+        assert len(order) == 25 and sorted(drawn.values()) == [12, 13]
+        assert len(set(i for i in order if groups[i] == 0)) == drawn[0]  # the large folder: no row twice
+        assert set(i for i in order if groups[i] == 1) == set(range(20, 25))  # the small one: every row
+    again = StepSampler(25, 2, 2, 1, seed=3, groups=groups, weights=[0.5, 0.5])
+    assert sorted(i for m in sampler.micro_batches(9, 0) for i in m) == sorted(i for m in again.micro_batches(9, 0) for i in m)
+    assert mixture_quotas(7, [1.0, 0.0, 0.3], [5, 5, 5]) == [5, 0, 2]
+    with pytest.raises(DataError, match=r"data dirs \[1\] \(0-based\) a weight but they hold no training rows"):
+        StepSampler(5, 1, 1, 1, 0, groups=[0] * 5, weights=[0.5, 0.5])
+
+
+def test_a_run_from_before_a_setting_existed_resumes_under_its_old_behaviour():
+    """A config.yaml without distill.data_weights was trained with every row once per epoch, i.e. []."""
+    assert changed_settings({"distill": {"lr": 0.1}}, {"distill": {"lr": 0.1, "data_weights": []}}) == []
+    assert changed_settings({"distill": {"lr": 0.1}}, {"distill": {"lr": 0.1, "data_weights": [1.0]}}) == [
+        "distill.data_weights: [] -> [1.0]"]
 
 
 def test_grad_accumulation_equals_one_big_batch(data, reference, tmp_path):

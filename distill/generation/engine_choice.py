@@ -32,6 +32,8 @@ def choose_engine(config: Config, cpu: bool) -> EngineChoice:
     python = g.vllm.python
     if g.engine == "project":
         return EngineChoice("project", "generate.engine=project")
+    if g.rollout_draft is not None:
+        return EngineChoice("project", "generate.rollout_draft: the project engine runs the draft and the target")
     started = recorded_engine(Path(g.out_dir)) if g.engine == "auto" else None
     if started == "project":
         return EngineChoice("project", f"generate.engine=auto: the project engine, which started {g.out_dir}")

@@ -27,6 +27,10 @@ MAY_CHANGE = ("name", "draft", "generate.", "eval.", "engines.", "wandb.", "dist
               "distill.save_every", "distill.keep_checkpoints", "distill.early_stop_patience",
               "distill.max_bad_steps", "distill.tau_k", "distill.export")
 
+# Settings added to the schema after runs were made, each with the value that does what those runs did
+# (a run written before distill.data_weights existed read every row once per epoch).
+ADDED_SETTINGS = {"distill.data_weights": []}
+
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
     flat = {}
@@ -46,8 +50,10 @@ class _Absent:
 
 
 def changed_settings(before: dict, now: dict) -> list[str]:
-    """'key: old -> new' for each setting that differs and may not change on a resume."""
+    """'key: old -> new' for each setting that differs and may not change on a resume. A setting of
+    ADDED_SETTINGS that the run's config.yaml lacks has the value every run had before it existed."""
     before, now, absent = _flatten(before), _flatten(now), _Absent()
+    before = {**ADDED_SETTINGS, **before}
     return [f"{key}: {before.get(key, absent)!r} -> {now.get(key, absent)!r}"
             for key in sorted(before.keys() | now.keys())
             if not key.startswith(MAY_CHANGE) and before.get(key, absent) != now.get(key, absent)]
