@@ -57,9 +57,9 @@ def test_configuration_page_lists_every_key():
     keys = _keys()
     missing = [key for key in keys if f"| `{key}` |" not in page]
     assert not missing, f"keys missing from the configuration reference: {missing}"
-    assert {"eval.ks", "generate.vllm.python", "distill.loss", "engines.run", "wandb.mode", "target"} <= set(keys)
+    assert {"eval.ks", "generate.vllm.python", "distill.loss", "onpolicy.weight", "engines.run", "wandb.mode", "target"} <= set(keys)
     headings = {f"## {prefix.rstrip('.')}" for prefix, _ in sections() if prefix}
-    assert headings <= set(page.splitlines()) and len(headings) == 6
+    assert headings <= set(page.splitlines()) and len(headings) == 7
 
 
 def test_config_docstrings_reach_the_page():
