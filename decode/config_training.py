@@ -170,6 +170,9 @@ class DistillConfig:
     loss: dict[str, float] = field(default_factory=lambda: {"forward_kl": 1.0})
     """Loss mix: weights for forward_kl, reverse_kl, jsd, tvd (= 1 − acceptance), neg_log_accept
     (−log acceptance), lk (KL and TVD blended by acceptance, distill/losses.py) and ce."""
+    filter_hardest: float = 0.0
+    """Leave out of each micro-batch's loss this fraction of its positions, those where KL(target ‖ draft)
+    is largest: tokens the draft cannot fit (after AdaSPEC, arXiv 2510.19779). 0 = every position."""
     jsd_beta: float = 0.5
     lk_eta: float = 3.0
     """The lk loss weighs forward KL by exp(−lk_eta · α) and TVD by the rest: at 3, KL leads below α ≈ 0.23;
@@ -249,6 +252,8 @@ class DistillConfig:
             out.append("distill.lora_rank > 0 needs a pretrained distill.init (LoRA on a random draft is pointless)")
         if self.init != "scratch" and self.vocab_subset:
             out.append("distill.vocab_subset works with init=scratch only (a pretrained head has the full vocabulary)")
+        if not 0 <= self.filter_hardest < 1:
+            out.append(f"distill.filter_hardest={self.filter_hardest} must be in [0, 1)")
         if not 0 < self.jsd_beta < 1:
             out.append(f"distill.jsd_beta={self.jsd_beta} must be in (0, 1)")
         if self.lk_eta < 0:

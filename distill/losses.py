@@ -146,13 +146,31 @@ def temper(logp: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.log_softmax(logp / temperature, dim=-1)
 
 
+def drop_hardest(mask: torch.Tensor, difficulty: torch.Tensor, fraction: float) -> torch.Tensor:
+    """`mask` [N] (bool, or float weights) without the floor(fraction · count) of its positions where
+    `difficulty` [N] is highest."""
+    inside = mask != 0
+    drop = int(fraction * int(inside.sum()))
+    if drop == 0:
+        return mask
+    hardest = torch.where(inside, difficulty.detach(), float("-inf")).topk(drop).indices
+    keep = torch.ones_like(inside).index_fill(0, hardest, False)
+    return mask & keep if mask.dtype == torch.bool else mask * keep
+
+
 def mixed_loss(weights: dict[str, float], draft_logp, target_logp, draft_logits, labels, mask,
-               jsd_beta: float = 0.5, temperature: float = 1.0, lk_eta: float = 3.0) -> torch.Tensor:
+               jsd_beta: float = 0.5, temperature: float = 1.0, lk_eta: float = 3.0,
+               filter_hardest: float = 0.0) -> torch.Tensor:
     """Σ_name weight · loss_name, summed over the masked positions (the caller divides by the
     global token count).
 
-    The divergences see the tempered bucket distributions; CE sees the raw draft logits."""
+    The divergences see the tempered bucket distributions; CE sees the raw draft logits.
+    filter_hardest > 0 leaves out that fraction of the positions, those of largest KL(target ‖ draft):
+    tokens the draft cannot fit, whose gradient would pull capacity from the ones it can (after AdaSPEC,
+    arXiv 2510.19779, which ranks them by a reference draft's loss instead of the draft's own)."""
     d, t = temper(draft_logp, temperature), temper(target_logp, temperature)
+    if filter_hardest > 0:
+        mask = drop_hardest(mask, kl_per_token(t.float(), d.float()), filter_hardest)
     total = draft_logp.new_zeros((), dtype=torch.float32)
     for name, weight in weights.items():
         if weight == 0:

@@ -190,3 +190,24 @@ def test_spread_draft_buckets_equal_its_full_vocabulary_export_bucketed():
     assert torch.allclose(draft_k[:, -1], rest_of_export, atol=1e-5)
     # An old draft's "other" logit is the outside mass itself: no count added.
     assert torch.equal(VocabSubset(ids, full_vocab).bucket_logits(rows), rows)
+
+
+def test_filter_hardest_leaves_out_the_positions_the_draft_fits_worst():
+    """filter_hardest = 0.25 over 8 positions: the 2 of largest KL(target ‖ draft) add nothing, and get no gradient;
+    the other 6 give exactly the unfiltered loss over them. A float mask keeps its weights on the kept positions."""
+    target = _logp(n=8, v=6, seed=3)
+    logits = torch.randn(8, 6, generator=torch.Generator().manual_seed(4), requires_grad=True)
+    draft = torch.log_softmax(logits, -1)
+    kl = torch.nn.functional.kl_div(draft, target, log_target=True, reduction="none").sum(-1)
+    hardest = set(kl.topk(2).indices.tolist())
+    kept = torch.tensor([i not in hardest for i in range(8)])
+    weights = {"forward_kl": 1.0, "tvd": 0.5}
+    filtered = mixed_loss(weights, draft, target, logits, None, torch.ones(8, dtype=torch.bool), filter_hardest=0.25)
+    assert torch.allclose(filtered, mixed_loss(weights, draft, target, logits, None, kept), atol=1e-6)
+    filtered.backward()
+    assert logits.grad[sorted(hardest)].abs().max() == 0 and logits.grad[kept].abs().max() > 0
+    weighted = torch.linspace(0.1, 0.8, 8)
+    assert torch.allclose(mixed_loss(weights, draft, target, logits, None, weighted, filter_hardest=0.25),
+                          mixed_loss(weights, draft, target, logits, None, weighted * kept), atol=1e-6)
+    assert torch.equal(mixed_loss(weights, draft, target, logits, None, kept, filter_hardest=0.1),
+                       mixed_loss(weights, draft, target, logits, None, kept))  # floor(0.1 · 6) = 0 positions left out

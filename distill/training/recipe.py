@@ -255,7 +255,7 @@ class DistillRecipe:
             labels = self.teacher.subset.rows(labels)  # tokens outside the subset train the "other" row
         mask = torch.ones_like(labels, dtype=torch.bool)
         loss_sum = mixed_loss(self.dc.loss, draft_logp, target_logp, logits, labels, mask, self.dc.jsd_beta,
-                              self.dc.kd_temperature, self.dc.lk_eta)
+                              self.dc.kd_temperature, self.dc.lk_eta, self.dc.filter_hardest)
         return loss_sum, draft_logp, target_logp, target.finite() and bool(torch.isfinite(loss_sum))
 
     def skip_micro_batch(self) -> None:
