@@ -24,7 +24,8 @@ from pathlib import Path
 from decode.cli import cli_config, run_cli
 from decode.config import Config, ConfigError, save_config
 from decode.errors import UserError
-from decode.models import model_hash, reference_problem
+from distill.generation.rollout import draft_identity
+from decode.models import reference_problem
 
 ROUNDS_FILE = "rounds.json"
 
@@ -109,9 +110,8 @@ def run_round(config: Config, r: int, start_draft: str, record: dict) -> dict:
     generate, train = round_configs(config, r, start_draft)
     folder = onpolicy_root(config) / f"round-{r}"
     rollouts, run = Path(generate.generate.out_dir), Path(train.distill.out_dir)
-    metrics = json.loads((Path(start_draft) / "metrics.json").read_text()) if (Path(start_draft) / "metrics.json").is_file() else {}
-    record = {"round": r, "draft": start_draft, "draft_hash": model_hash(start_draft), "draft_step": metrics.get("step"),
-              "rollouts": str(rollouts), "run": str(run), "data_weights": train.distill.data_weights, **record}
+    record = {"round": r, **draft_identity(start_draft), "rollouts": str(rollouts), "run": str(run),
+              "data_weights": train.distill.data_weights, **record}
     if not _complete(rollouts):
         record["rollout_seconds"] = run_stage("distill.generate", generate, folder / "generate.yaml")
         manifest = json.loads((rollouts / "manifest.json").read_text())

@@ -351,7 +351,8 @@ def test_rollouts_are_the_drafts_samples_labelled_by_the_target(tmp_path, target
     run(config_for(tmp_path / "rollouts", f"generate.rollout_draft={draft}", *NO_TOP_P))
     run(config_for(tmp_path / "draft-alone", f"target={draft}", *NO_TOP_P))
     key = lambda r: r["prompt_id"]  # noqa: E731
-    rollouts, alone = sorted(read_rows(tmp_path / "rollouts"), key=key), sorted(read_rows(tmp_path / "draft-alone"), key=key)
+    rollouts = sorted(read_rows(tmp_path / "rollouts"), key=key)
+    alone = sorted(read_rows(tmp_path / "draft-alone"), key=key)
     assert [r["completion_ids"] for r in rollouts] == [r["completion_ids"] for r in alone]
     assert [r["teacher_topk_ids"] for r in rollouts] != [r["teacher_topk_ids"] for r in alone]
     for row in rollouts[:4]:

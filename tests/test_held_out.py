@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from decode.config import ConfigError, load_config
+from decode.config import ConfigError
 from decode.models import load_model, load_tokenizer
 from decode.stats import expected_tau
 from distill.data import collate, load_examples
@@ -51,7 +51,8 @@ def test_the_command_compares_drafts_on_the_held_out_rows_training_uses(tmp_path
     _, held_out = load_examples([str(data)], 128, need_topk=False)
     tokens = int(collate(held_out[:4], 0, with_topk=False)["loss_mask"].sum())
     assert results[str(tmp_path / "target")]["alpha_T1"] == pytest.approx(1.0)
-    assert 0 < results[str(tmp_path / "draft")]["alpha_T0.7"] < 1 and results[str(tmp_path / "draft")]["tokens"] == tokens
+    draft = results[str(tmp_path / "draft")]
+    assert 0 < draft["alpha_T0.7"] < 1 and draft["tokens"] == tokens
     assert json.loads(out.read_text()) == results and "| draft | α T1 |" in capsys.readouterr().out
     with pytest.raises(ConfigError, match="--drafts: model path .* does not exist"):
         main(["--config", str(ROOT / "configs/tiny.yaml"), "--drafts", str(tmp_path / "nothing")])

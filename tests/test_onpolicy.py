@@ -21,7 +21,8 @@ SMALL = ["generate.max_prompts=24", "generate.shard_size=8", "generate.max_new_t
 
 
 def config_for(tmp_path, *overrides):
-    return load_config(ROOT / "configs/tiny.yaml", [f"generate.out_dir={tmp_path}/data", f"distill.data_dirs=[{tmp_path}/data]",
+    return load_config(ROOT / "configs/tiny.yaml", [f"generate.out_dir={tmp_path}/data",
+                                                    f"distill.data_dirs=[{tmp_path}/data]",
                                                     f"distill.out_dir={tmp_path}/run", *SMALL, *overrides])
 
 
@@ -62,7 +63,8 @@ def test_the_mixture_gives_the_rollouts_their_weight():
 
 
 @pytest.mark.parametrize("overrides, error", [
-    (["distill.out_dir={tmp}/nothing"], r"round 1 starts from the draft `make distill` writes to .*run `make distill` first"),
+    (["distill.out_dir={tmp}/nothing"],
+     r"round 1 starts from the draft `make distill` writes to .*run `make distill` first"),
     (["distill.draft_kind=feature", "distill.teacher=online"], "make onpolicy trains a standalone draft"),
     (["generate.teacher_topk=0"], "set generate.teacher_topk >= 1"),
     (["onpolicy.weight=1.5"], r"onpolicy.weight: 1.5 is outside \[0, 1\]"),
@@ -71,7 +73,8 @@ def test_the_mixture_gives_the_rollouts_their_weight():
 def test_bad_onpolicy_settings_stop_before_any_stage(tmp_path, monkeypatch, overrides, error):
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("a stage ran"))
     with pytest.raises(ConfigError, match=error):
-        run_onpolicy(config_for(tmp_path, f"onpolicy.out_dir={tmp_path}/op", *[o.format(tmp=tmp_path) for o in overrides]))
+        run_onpolicy(config_for(tmp_path, f"onpolicy.out_dir={tmp_path}/op",
+                                *[o.format(tmp=tmp_path) for o in overrides]))
     assert not (tmp_path / "op" / "rounds.json").exists()
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from decode.config import Config, ConfigError
 from decode.models import check_tokenizers, load_model, load_tokenizer, model_hash
 from distill.export.hf_full import full_vocab_model
-from distill.generation.engine import Completion, Engine, eos_ids
+from distill.generation.engine import Completion, Engine
 from distill.generation.plan import Row
 from distill.generation.runner_engine import RunnerEngine
 
@@ -72,11 +72,16 @@ def rollout_engine(config: Config, target_engine: RunnerEngine, make_runner) -> 
     return RolloutEngine(engine, target_engine)
 
 
+def draft_identity(path: str) -> dict:
+    """{'draft': path, 'draft_hash': its weights' hash, 'draft_step': the training step it was saved at}."""
+    metrics = Path(path) / "metrics.json"
+    step = json.loads(metrics.read_text()).get("step") if metrics.is_file() else None
+    return {"draft": path, "draft_hash": model_hash(path), "draft_step": step}
+
+
 def rollout_record(config: Config) -> dict:
     """The plan fingerprint's keys for the draft that made the rows (None when the target made them)."""
     path = config.generate.rollout_draft
     if path is None:
         return {"rollout_draft": None, "rollout_draft_hash": None}
-    metrics = Path(path) / "metrics.json"
-    step = json.loads(metrics.read_text()).get("step") if metrics.is_file() else None
-    return {"rollout_draft": path, "rollout_draft_hash": model_hash(path), "rollout_draft_step": step}
+    return {f"rollout_{key}": value for key, value in draft_identity(path).items()}
