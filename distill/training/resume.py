@@ -54,7 +54,7 @@ def changed_settings(before: dict, now: dict) -> list[str]:
     """'key: old -> new' for each setting that differs and may not change on a resume. A setting of
     ADDED_SETTINGS that the run's config.yaml lacks has the value every run had before it existed."""
     before, now, absent = _flatten(before), _flatten(now), _Absent()
-    before = {**ADDED_SETTINGS, **before}
+    before = {**{key: value for key, value in ADDED_SETTINGS.items() if key in now}, **before}
     return [f"{key}: {before.get(key, absent)!r} -> {now.get(key, absent)!r}"
             for key in sorted(before.keys() | now.keys())
             if not key.startswith(MAY_CHANGE) and before.get(key, absent) != now.get(key, absent)]
