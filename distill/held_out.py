@@ -27,6 +27,7 @@ from decode.models import check_tokenizers, load_model, load_tokenizer, referenc
 from decode.stats import expected_tau
 from decode.vocab import VocabSubset
 from distill.data import collate, load_examples
+from distill.training.teacher import Teacher, draft_row_logits
 
 ROWS_PER_BATCH = 4  # 4 rows x ~100 completion positions x 49k vocab x 4 B: ~80 MB of logits per model
 
@@ -34,8 +35,7 @@ ROWS_PER_BATCH = 4  # 4 rows x ~100 completion positions x 49k vocab x 4 B: ~80 
 def draft_full_logits(draft, batch: dict) -> torch.Tensor:
     """The draft's logits over the full vocabulary at the batch's loss positions [N, V] (fp32)."""
     subset = VocabSubset.of(draft)
-    ids = batch["input_ids"] if subset is None else subset.rows(batch["input_ids"])
-    logits = draft(input_ids=ids, attention_mask=batch["attention_mask"]).logits[batch["loss_mask"]].float()
+    logits = draft_row_logits(draft, batch, subset)
     return logits if subset is None else subset.full_logits(logits)
 
 
@@ -44,10 +44,10 @@ def held_out_acceptance(target, drafts: dict[str, torch.nn.Module], batches, tem
                         tau_k: int) -> dict[str, dict]:
     """{draft name: {'alpha_T<t>': …, 'greedy': …, 'tau_k<k>_T<t>': …, 'tau_k<k>_greedy': …, 'tokens': n}}."""
     sums = {name: torch.zeros(len(temperatures) + 1, dtype=torch.float64) for name in drafts}
+    teacher = Teacher("online", None, target)
     tokens = 0
     for batch in batches:
-        target_logits = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        target_logits = target_logits[batch["loss_mask"]].float()
+        target_logits = teacher.targets(batch).logits
         tokens += target_logits.shape[0]
         for name, draft in drafts.items():
             draft_logits = draft_full_logits(draft, batch)

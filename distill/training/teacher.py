@@ -51,11 +51,17 @@ def draft_logits(model, batch: dict, subset: VocabSubset | None) -> torch.Tensor
     distribution (a spread_other subset draft's "other" row counted once per outside token:
     VocabSubset.bucket_logits), so every loss, cross-entropy included, trains what the decoder and
     the export use. The head runs only from the first completion position on."""
+    logits = draft_row_logits(model, batch, subset)
+    return logits if subset is None else subset.bucket_logits(logits)
+
+
+def draft_row_logits(model, batch: dict, subset: VocabSubset | None) -> torch.Tensor:
+    """The draft's raw output rows at the loss positions, fp32 [N, V_draft] (a subset draft reads its rows
+    of the input ids); the head runs only from the first completion position on."""
     ids = batch["input_ids"] if subset is None else subset.rows(batch["input_ids"])
     keep = keep_positions(batch)
     logits = model(input_ids=ids, attention_mask=batch["attention_mask"], logits_to_keep=keep).logits
-    logits = logits[batch["loss_mask"][:, keep]].float()  # [N, V_draft]
-    return logits if subset is None else subset.bucket_logits(logits)
+    return logits[batch["loss_mask"][:, keep]].float()
 
 
 class Teacher:
