@@ -58,7 +58,7 @@ demo-feature: setup
 
 # docs/configuration.md, generated from the config classes (tests/test_docs.py checks it is current).
 docs: setup
-	$(PY) -m decode.config_reference > docs/configuration.md.tmp && mv docs/configuration.md.tmp docs/configuration.md
+	$(PY) -m common.config_reference > docs/configuration.md.tmp && mv docs/configuration.md.tmp docs/configuration.md
 
 clean:
 	rm -rf data/tiny runs/tiny

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import torch
 
+from common.sampling import SamplingParams
 from decode.checks import check_int, prompt_ids
-from decode.feature_draft import FeatureDraft, check_target
-from decode.feature_proposer import make_feature_proposer
+from decode.drafts.feature.model import FeatureDraft, check_target
+from decode.drafts.feature.proposer import make_feature_proposer
 from decode.proposers import check_lookup_ngram, make_proposer
 from decode.runners import Runner, make_runner
-from decode.sampling import SamplingParams
 from decode.speculative import SpeculativeOutput, speculative_decode, target_decode
 from decode.vocab import model_vocab_size
 
@@ -59,7 +59,7 @@ def speculative_generate(target: torch.nn.Module, draft: torch.nn.Module, input_
     """Lossless speculative decoding: output distributed exactly as `generate(target, ...)`.
 
     `target` and `draft` are Hugging Face causal LMs sharing a tokenizer, or `draft` is a FeatureDraft
-    made for this target (decode/feature_draft.py, reading the target's hidden states); input_ids is [1, L].
+    made for this target (decode/drafts/feature/model.py, reading the target's hidden states); input_ids is [1, L].
     lookup_ngram > 0 (at least 2) adds prompt lookup (`decode.lookup`): where the last n tokens
     (n = lookup_ngram down to 2) occurred earlier in the prompt or output, the token that followed
     them is proposed with probability 1 instead of running the draft. The proposal still depends

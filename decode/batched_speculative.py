@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.sampling import SamplingParams, sample
 from decode.runners.ragged import RaggedRunner
-from decode.sampling import SamplingParams, sample
 from decode.speculative import cut_at_eos, eos_set, verify_block, verify_greedy
 from decode.stats import SpeculativeStats
 

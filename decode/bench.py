@@ -9,7 +9,7 @@ model again (did the machine's load change?) -> timing reliability -> report.jso
 plots / samples.jsonl (+ W&B). Unreliable timings withhold the go/no-go verdict.
 
 Two draft kinds, side by side on the same prompts: a standalone draft LM (`draft`: rows 'draft',
-'draft+lookup') and a feature draft (decode/feature_draft.py; `eval.feature_draft`, or `draft` itself:
+'draft+lookup') and a feature draft (decode/drafts/feature/model.py; `eval.feature_draft`, or `draft` itself:
 rows 'feature', 'feature+lookup'), which verifies on a target runner that keeps the hidden states it
 reads and has its own cost model. Target-only decoding keeps the plain runner.
 """
@@ -28,30 +28,31 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from common.cli import cli_config, run_cli
+from common.config import Config, ConfigError, config_to_dict
+from common.models import TOKENIZER_FILES, check_tokenizers, load_model, load_tokenizer, param_count, resolve_device
+from common.precision import DtypeChoice, resolve_decode_dtype
+from common.progress import expectation
+from common.prompts import evaluation_split, load_prompt_set, read_split_prompts
+from common.sampling import SamplingParams
+from common.tracking import start_wandb
 from decode.api import build_feature_runner, build_runners
-from decode.cli import cli_config, run_cli
-from decode.config import Config, ConfigError, config_to_dict
-from decode.feature_draft import FeatureDraft, check_target, feature_draft_problem, is_feature_draft
-from decode.feature_proposer import FeatureProposer, make_feature_proposer
-from decode.feature_timing import FeatureDraftSteps
-from decode.eval_results import (aggregate, build_report, draft_kind, log_to_wandb, print_headline,
-                                 write_outputs)
+from decode.drafts.feature.model import FeatureDraft, check_target, feature_draft_problem, is_feature_draft
+from decode.drafts.feature.proposer import FeatureProposer, make_feature_proposer
+from decode.drafts.feature.timing import FeatureDraftSteps
+from decode.drafts.feature.tree_proposer import FeatureTreeProposer
+from decode.drafts.standalone.tree_proposer import DraftTreeProposer
+from decode.eval_results import aggregate, build_report, draft_kind, log_to_wandb, print_headline, write_outputs
 from decode.hf_baselines import hf_comparisons
-from decode.models import (TOKENIZER_FILES, check_tokenizers, load_model, load_tokenizer, param_count,
-                           resolve_device)
-from decode.precision import DtypeChoice, resolve_decode_dtype
-from decode.progress import expectation
-from decode.prompts import evaluation_split, load_prompt_set, read_split_prompts
-from decode.proposers import LookupProposer, Proposer, make_proposer
+from decode.proposal import Proposer
+from decode.proposers import LookupProposer, make_proposer
 from decode.runners import Runner, make_runner
-from decode.sampling import SamplingParams
-from decode.speculative import speculative_decode, target_decode
 from decode.serving import check_serving_memory, measure_serving, speculation_pays_up_to
+from decode.speculative import speculative_decode, target_decode
 from decode.timing import cost_model, timed, verify_cost
 from decode.tree import TreeShape, parse_tree
 from decode.tree_decode import TreeProposer, tree_decode
-from decode.tree_proposers import DraftTreeProposer, FeatureTreeProposer, LookupTreeProposer
-from decode.tracking import start_wandb
+from decode.tree_proposers import LookupTreeProposer
 from decode.vocab import model_vocab_size
 
 

@@ -13,15 +13,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from decode.config import config_to_dict
-from decode.feature_draft import FeatureDraft
-from decode.models import param_count
-from decode.precision import machine_class
-from decode.provenance import git_revision
+from common.config import config_to_dict
+from common.models import param_count
+from common.precision import machine_class
+from common.provenance import git_revision
+from decode.drafts.feature.model import FeatureDraft
 from decode.report import write_markdown, write_plots
 from decode.stats import SpeculativeStats, predicted_speedup
 from decode.timing import timing_reliability, verify_cost
 from decode.vocab import VocabSubset
+
 
 if TYPE_CHECKING:
     from decode.bench import Setup

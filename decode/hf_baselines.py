@@ -13,10 +13,11 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
-from decode.sampling import SamplingParams
+from common.sampling import SamplingParams
 from decode.speculative import target_decode
 from decode.timing import timed
 from decode.vocab import VocabSubset
+
 
 if TYPE_CHECKING:
     from decode.bench import Setup

@@ -50,7 +50,7 @@ def write_markdown(report: dict, path: Path) -> None:
              "## Speculative vs target-only", "",
              "`draft+lookup` rows add prompt lookup to the draft (decode/lookup.py): looked up = proposed "
              "tokens that came from an earlier n-gram instead of the draft (accepted ones in brackets). "
-             "`feature` rows: the feature draft, which reads the target's hidden states (decode/feature_draft.py). "
+             "`feature` rows: the feature draft, which reads the target's hidden states (decode/drafts/feature/model.py). "
              "Rows with a tree verify a draft tree in each target forward (decode/tree.py): k is its depth, "
              "nodes = tree nodes verified per target forward (a chain's k).", "",
              "speedup = pooled tokens/s ratio over the prompts; per prompt = the median (min–max) of each "

@@ -18,10 +18,10 @@ import time
 
 import torch
 
+from common.config import ConfigError
+from common.sampling import SamplingParams
 from decode.batched_speculative import serve
-from decode.config import ConfigError
 from decode.runners.ragged import RaggedRunner
-from decode.sampling import SamplingParams
 from decode.stats import SpeculativeStats
 from decode.vocab import model_vocab_size
 

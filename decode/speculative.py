@@ -1,7 +1,7 @@
 """Target-only and speculative decoding (batch 1) over runners, sharing one cache path and one sampler.
 
 Speculative step (Leviathan et al. 2023; Chen et al. 2023):
-  1. the proposer offers d_1..d_k, each sampled from draft_probs_i (decode/proposers.py)
+  1. the proposer offers d_1..d_k, each sampled from draft_probs_i (decode/proposal.py)
   2. the target scores [last committed, d_1..d_k] in one forward -> target_probs_0..k
   3. for i = 1..k: accept d_i with probability min(1, target_probs_i[d_i] / draft_probs_i[d_i]);
      on the first rejection emit a token from norm(max(0, target_probs_i - draft_probs_i)) and stop;
@@ -30,10 +30,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from common.sampling import SamplingParams, sample
 from decode.checks import check_context, check_int, prompt_ids
-from decode.proposers import Proposal, Proposer
+from decode.proposal import Proposal, Proposer
 from decode.runners import Runner
-from decode.sampling import SamplingParams, sample
 from decode.stats import SpeculativeStats
 
 

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decode.errors import UserError
+from common.errors import UserError
+
 
 MAX_TREE_NODES = 64
 """Nodes one target forward verifies at most: the cost model measures r(n) up to this many; on the

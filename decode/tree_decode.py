@@ -23,10 +23,10 @@ from typing import Protocol
 
 import torch
 
+from common.sampling import SamplingParams, sample
 from decode.checks import check_context, check_int, prompt_ids
 from decode.runners import Runner
-from decode.sampling import SamplingParams, sample
-from decode.speculative import SpeculativeOutput, cut_at_eos, eos_set, draft_prob, residual
+from decode.speculative import SpeculativeOutput, cut_at_eos, draft_prob, eos_set, residual
 from decode.stats import SpeculativeStats
 from decode.tree import TokenTree, TreeShape, check_tree_fits, check_tree_runner, tree_window
 

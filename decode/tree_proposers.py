@@ -2,8 +2,9 @@
 
   build_tree          static shapes (children per depth) and dynamic ones (EAGLE-2: expand the most
                       probable nodes by cumulative draft probability, keep the `nodes` most probable)
-  DraftTreeProposer   a standalone draft LM: each level's nodes go through one masked forward
-  FeatureTreeProposer the feature draft: each level reads its parents' outputs in one masked forward
+  ChainBacked         the base of each draft kind's tree proposer: a standalone draft LM's
+                      (decode/drafts/standalone/tree_proposer.py: each level's nodes in one masked
+                      forward) and the feature draft's (decode/drafts/feature/tree_proposer.py)
   LookupTreeProposer  either of them with prompt lookup's guess as one more branch from the root
 
 A node's children are its draft distribution's most probable tokens (the temperature's warped
@@ -21,12 +22,9 @@ from typing import Protocol
 
 import torch
 
-from decode.feature_proposer import FeatureProposer
-from decode.proposers import DraftProposer, LookupProposer
-from decode.runners import Runner
-from decode.sampling import SamplingParams, sample
-from decode.tree import (DynamicTree, StaticTree, TokenTree, TreeShape, TreeShapeError, best_budget,
-                         check_tree_runner, deeper_pays)
+from common.sampling import SamplingParams, sample
+from decode.proposers import LookupProposer
+from decode.tree import DynamicTree, StaticTree, TokenTree, TreeShape, TreeShapeError, best_budget, deeper_pays
 
 
 class LevelDrafter(Protocol):
@@ -155,7 +153,7 @@ def level_window(tree: TokenTree, nodes: list[int], slots: dict[int, int], prefi
     return positions, visible
 
 
-class _ChainBacked:
+class ChainBacked:
     """A tree proposer over a chain proposer (`self.chain`) that keeps the draft's state between trees."""
 
     def reset(self, prompt_ids: list[int]) -> None:
@@ -169,71 +167,13 @@ class _ChainBacked:
         return build_tree(self, committed, shape, max_depth, sampling, generator)
 
 
-class DraftTreeProposer(_ChainBacked):
-    """A standalone draft LM drafting trees (implements decode.tree_decode.TreeProposer)."""
-
-    def __init__(self, runner: Runner):
-        check_tree_runner(runner, "draft")
-        self.chain = DraftProposer(runner)  # reset, rollback and the draft's readable ids
-        self.runner, self.draft_ids, self.max_length = runner, self.chain.draft_ids, runner.max_length
-        self.forwards, self.costs = 0, None
-
-    def root(self, committed: list[int]) -> torch.Tensor:
-        ids = self.chain.readable(committed[self.runner.length:])
-        self.prefix_end, self.slots = len(committed), {}
-        self.forwards += 1
-        return self.runner.forward(ids, 1, full_vocab=self.draft_ids is None)[0]
-
-    def expand(self, tree: TokenTree, nodes: list[int]) -> torch.Tensor:
-        positions, visible = level_window(tree, nodes, self.slots, self.prefix_end, self.runner.length)
-        ids = self.chain.readable([tree.tokens[i] for i in nodes])
-        self.forwards += 1
-        return self.runner.forward_masked(ids, positions, visible, len(nodes), full_vocab=self.draft_ids is None)
-
-    def finish(self) -> None:
-        self.runner.rollback(self.prefix_end)
-
-
-class FeatureTreeProposer(_ChainBacked):
-    """The feature draft drafting trees (implements decode.tree_decode.TreeProposer): node i's level reads
-    its parent's output and the target's embedding of its token, at position prefix + depth."""
-
-    def __init__(self, proposer: FeatureProposer):
-        self.chain = proposer  # the target's hidden states, the catch-up, reset and rollback
-        self.draft_ids, self.max_length, self.costs = proposer.draft_ids, proposer.max_length, None
-
-    @property
-    def forwards(self) -> int:
-        return self.chain.forwards
-
-    def root(self, committed: list[int]) -> torch.Tensor | None:
-        out = self.chain.out_before(committed)
-        if out is None:
-            return None
-        self.prefix_end, self.slots, self.outs = self.chain.cache.length, {}, {-1: out}
-        return self.chain.draft.logits(out)
-
-    def expand(self, tree: TokenTree, nodes: list[int]) -> torch.Tensor:
-        cache = self.chain.cache
-        positions, visible = level_window(tree, nodes, self.slots, self.prefix_end, cache.length)
-        hidden = torch.stack([self.outs[tree.parents[i]] for i in nodes])  # [m, hidden]
-        out = cache.forward(hidden, self.chain.embed([tree.tokens[i] for i in nodes]),
-                            positions.to(hidden.device), visible.to(hidden.device))
-        self.outs.update(zip(nodes, out))
-        self.chain.forwards += 1
-        return self.chain.draft.logits(out)
-
-    def finish(self) -> None:
-        self.chain.cache.rollback(self.prefix_end)
-
-
 class LookupTreeProposer:
     """A tree proposer with prompt lookup's guess (decode/lookup.py: the tokens that followed the last
     n-gram earlier in the text) as one more branch from the root, as deep as the tree, merged into the
     draft's nodes where they coincide. Looked-up nodes cost no draft forward, and are tested as one-hots
     like the draft's top children."""
 
-    def __init__(self, lookup: LookupProposer, proposer: DraftTreeProposer | FeatureTreeProposer):
+    def __init__(self, lookup: LookupProposer, proposer: ChainBacked):
         self.lookup, self.proposer = lookup, proposer
         self.draft_ids, self.max_length = proposer.draft_ids, proposer.max_length
 

@@ -26,7 +26,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from decode.errors import UserError
+from common.errors import UserError
 from distill.generation.shards import CorruptShardError, verify_shards
 
 

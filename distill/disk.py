@@ -15,7 +15,8 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
-from decode.errors import UserError
+from common.errors import UserError
+
 
 NEARLY_FULL_BYTES = 1 << 20
 """Free space below which a failed write is put down to a full disk: a write that ran out of room

@@ -31,16 +31,17 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from decode.cli import cli_config, run_cli
-from decode.config import Config
-from decode.models import load_model, load_tokenizer, resolve_device
-from decode.precision import resolve_dtype
-from decode.progress import BatchProgress
+from common.cli import cli_config, run_cli
+from common.config import Config
+from common.models import load_model, load_tokenizer, resolve_device
+from common.precision import resolve_dtype
+from common.progress import BatchProgress
+from decode.drafts.feature.shape import feature_layers
 from distill.data import DataError, manifest_shards
-from distill.feature_shape import feature_layers
 from distill.generation.shards import remove_stale_temp
 from distill.training.feature_target import TargetIdentity, target_config
 from distill.training.feature_teacher import layer_outputs
+
 
 FEATURES_DIR = "features"
 INFO_FILE = "features.json"

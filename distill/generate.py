@@ -24,13 +24,13 @@ from pathlib import Path
 
 import torch
 
-from decode.cli import cli_config, run_cli
-from decode.config import Config, ConfigError, config_to_dict, save_config
-from decode.models import load_model, load_tokenizer, resolve_device
-from decode.precision import resolve_dtype
-from decode.progress import BatchProgress
+from common.cli import cli_config, run_cli
+from common.config import Config, ConfigError, config_to_dict, save_config
+from common.models import load_model, load_tokenizer, resolve_device
+from common.precision import resolve_dtype
+from common.progress import BatchProgress
+from common.tracking import start_wandb
 from decode.runners import make_batched_runner
-from decode.tracking import start_wandb
 from distill.generation.engine import Completion, Engine, eos_ids
 from distill.generation.engine_choice import choose_engine
 from distill.generation.manifest import write_manifest

@@ -21,13 +21,14 @@ from pathlib import Path
 
 import torch
 
-from decode.cli import run_cli
-from decode.config import ConfigError, load_config
-from decode.models import check_tokenizers, load_model, load_tokenizer, reference_problem
+from common.cli import run_cli
+from common.config import ConfigError, load_config
+from common.models import check_tokenizers, load_model, load_tokenizer, reference_problem
 from decode.stats import expected_tau
 from decode.vocab import VocabSubset
 from distill.data import collate, load_examples
 from distill.training.teacher import Teacher, draft_row_logits
+
 
 ROWS_PER_BATCH = 4  # 4 rows x ~100 completion positions x 49k vocab x 4 B: ~80 MB of logits per model
 

@@ -21,11 +21,12 @@ import sys
 import time
 from pathlib import Path
 
-from decode.cli import cli_config, run_cli
-from decode.config import Config, ConfigError, save_config
-from decode.errors import UserError
+from common.cli import cli_config, run_cli
+from common.config import Config, ConfigError, save_config
+from common.errors import UserError
+from common.models import reference_problem
 from distill.generation.rollout import draft_identity
-from decode.models import reference_problem
+
 
 ROUNDS_FILE = "rounds.json"
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import signal
 
-from decode.cli import cli_config, run_cli
+from common.cli import cli_config, run_cli
 from distill.training.feature import FeatureRecipe
 from distill.training.recipe import DistillRecipe
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from decode.config import load_config
-from decode.models import load_model
+from common.config import load_config
+from common.models import load_model
 from distill.train import train
 from tests.synthetic_shards import write_scored_shards
 

@@ -16,10 +16,10 @@ import time
 
 import torch
 
-from decode.models import EMBEDDED, load_model, load_tokenizer
-from decode.prompts import build_prompt_set
+from common.models import EMBEDDED, load_model, load_tokenizer
+from common.prompts import build_prompt_set
+from common.sampling import SamplingParams
 from decode.runners import make_batched_runner
-from decode.sampling import SamplingParams
 from distill.generation.plan import Row
 from distill.generation.runner_engine import RunnerEngine
 

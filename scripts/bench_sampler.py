@@ -1,4 +1,4 @@
-"""Time one draw from a distribution: torch.multinomial vs the project's sampler (decode/sampling.py).
+"""Time one draw from a distribution: torch.multinomial vs the project's sampler (common/sampling.py).
 
 Per vocabulary size (a subset draft's 8,192 rows, SmolLM2's 49,152 tokens), the median over
 --repeats draws from one T = 0.7 softmax, both methods interleaved in one process.
@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from decode.sampling import sample
+from common.sampling import sample
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -30,7 +30,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     generator = torch.Generator().manual_seed(0)
     methods = {"torch.multinomial": lambda p: torch.multinomial(p[None], 1, generator=generator),
-               "decode.sampling.sample": lambda p: sample(p, generator)}
+               "common.sampling.sample": lambda p: sample(p, generator)}
     for vocab in args.vocab:
         probs = (torch.randn(vocab, generator=generator) * 3 / 0.7).softmax(-1)
         times = {name: [] for name in methods}

@@ -25,13 +25,14 @@ from unittest import mock
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from decode.models import EMBEDDED, load_model
+from common.models import EMBEDDED, load_model
 from decode.runners import projection
 from decode.runners.graphs import GraphRunner
 from decode.runners.hf import HFRunner
 from decode.runners.lean import LeanRunner
 from decode.timing import synchronize
 from decode.vocab import VocabSubset
+
 
 VOCAB = 49152  # the embedded target's vocabulary
 

@@ -22,6 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+
 PROMPTS = ["What is the capital of France?", "Write a short poem about the sea.",
            "Explain what a prime number is.", "List three uses of a paperclip."]
 
@@ -50,17 +51,16 @@ def vllm_worker(job_path: str, result_path: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     import torch
-
     import yaml
 
+    from common.config import Config
+    from common.models import load_model, load_tokenizer
+    from common.sampling import SamplingParams
     from decode.api import build_feature_runner
-    from decode.config import Config
+    from decode.drafts.feature.model import FeatureDraft
+    from decode.drafts.feature.proposer import make_feature_proposer
     from decode.engines.vllm_engine import target_folder, vllm_python, worker_env
-    from decode.feature_draft import FeatureDraft
-    from decode.feature_proposer import make_feature_proposer
-    from decode.models import load_model, load_tokenizer
     from decode.runners import make_runner
-    from decode.sampling import SamplingParams
     from decode.speculative import speculative_decode, target_decode
     from decode.vocab import model_vocab_size
     from distill.export.run import export_run
@@ -108,6 +108,6 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
         vllm_worker(*sys.argv[2:4])
     else:
-        from decode.cli import run_cli
+        from common.cli import run_cli
 
         run_cli(main)

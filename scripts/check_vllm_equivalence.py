@@ -21,11 +21,12 @@ import pyarrow.parquet as pq
 import torch
 import yaml
 
-from decode.cli import run_cli
-from decode.config import Config, load_config
-from decode.errors import UserError
+from common.cli import run_cli
+from common.config import Config, load_config
+from common.errors import UserError
 from distill.generate import load_runner
 from distill.generation.equivalence import BF16_MAX_MEAN_KL, BF16_MIN_TOP1_AGREEMENT, compare_rows
+
 
 COLUMNS = ["prompt_ids", "completion_ids", "teacher_topk_ids", "teacher_topk_logprobs"]
 

@@ -16,10 +16,10 @@ import argparse
 
 import torch
 
+from common.models import EMBEDDED, load_model, load_tokenizer
+from common.prompts import load_prompt_set, read_split_prompts
+from common.sampling import SamplingParams
 from decode.api import build_runners
-from decode.models import EMBEDDED, load_model, load_tokenizer
-from decode.prompts import load_prompt_set, read_split_prompts
-from decode.sampling import SamplingParams
 from decode.speculative import target_decode
 
 

@@ -4,8 +4,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from decode.feature_draft import FeatureDraft, FeatureDraftConfig
+from decode.drafts.feature.model import FeatureDraft, FeatureDraftConfig
 from decode.vocab import VocabSubset
+
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -8,15 +8,16 @@ import pytest
 import torch
 from scipy import stats as scipy_stats
 
+from common.sampling import SamplingParams
 from decode.api import build_runners
 from decode.batched_speculative import AdaptiveK, _Row, measure_costs, serve
-from decode.stats import SpeculativeStats
-from decode.proposers import DraftProposer
+from decode.drafts.standalone.proposer import DraftProposer
 from decode.runners import make_runner
 from decode.runners.ragged import RaggedRunner
-from decode.sampling import SamplingParams
 from decode.speculative import speculative_decode, target_decode
+from decode.stats import SpeculativeStats
 from tests.conftest import small_llama, subset_llama
+
 
 PROMPTS = [[0, 3, 7, 2, 9], [5], [4, 4, 8], [2, 9, 3, 7, 2, 9, 3], [6, 1, 0, 12]]
 pytestmark = pytest.mark.usefixtures("one_thread")

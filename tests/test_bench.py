@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from common.config import ConfigError, load_config
 from decode.bench import main, setup
-from decode.config import ConfigError, load_config
+
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -6,13 +6,14 @@ import json
 import pytest
 import torch
 
+from common.config import ConfigError
+from common.models import TokenizerMismatch, load_model, load_tokenizer
 from decode.bench import main
-from decode.config import ConfigError
-from decode.feature_draft import FeatureDraftMismatch
-from decode.models import TokenizerMismatch, load_model, load_tokenizer
+from decode.drafts.feature.model import FeatureDraftMismatch
 from decode.runners import make_runner
 from decode.runners.lean import LeanRunner
 from tests.conftest import random_feature_draft
+
 
 TINY = "configs/tiny.yaml"
 # Every 96th id of the embedded tokenizer's 49,152 (the tiny target's vocabulary): a 512-row head.
@@ -101,7 +102,7 @@ def test_a_feature_draft_saved_with_another_tokenizer_is_refused(tmp_path, monke
 def test_the_feature_runner_keeps_the_layers_the_draft_reads(feature_folder):
     """What bench verifies with: the lean runner, keeping the draft's layers (the plain runner keeps none)."""
     from decode.api import build_feature_runner
-    from decode.feature_draft import FeatureDraft
+    from decode.drafts.feature.model import FeatureDraft
 
     target = load_model("tiny:target")
     runner = build_feature_runner(target, FeatureDraft.load(feature_folder))

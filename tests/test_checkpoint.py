@@ -16,14 +16,15 @@ import pytest
 import torch
 from safetensors import SafetensorError
 
-from decode.cli import run_cli
-from decode.models import load_model, load_tokenizer
+from common.cli import run_cli
+from common.models import load_model, load_tokenizer
 from distill import train as train_module
 from distill.checkpoint import latest_checkpoint
 from distill.disk import DiskFullError, reporting_full_disk
 from distill.export.hf import export_hf
 from tests.test_train import data  # noqa: F401 (a fixture: the scored shards every run here trains on)
 from tests.test_train import ENV, PY, ROOT, assert_same_weights, losses, run, weights
+
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

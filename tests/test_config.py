@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from decode.cli import run_cli
-from decode.config import ConfigError, load_config
-from decode.errors import UserError
-from decode import precision
-from decode.models import torch_dtype
-from decode.sampling import SamplingParams
+from common import precision
+from common.cli import run_cli
+from common.config import ConfigError, load_config
+from common.errors import UserError
+from common.models import torch_dtype
+from common.sampling import SamplingParams
+
 
 ROOT = Path(__file__).parents[1]
 

@@ -3,17 +3,18 @@
 import pytest
 import torch
 
-from decode.models import load_model
-from decode.proposers import DraftProposer
+from common.models import load_model
+from common.sampling import SamplingParams
+from decode.drafts.standalone.proposer import DraftProposer
 from decode.runners import make_runner
 from decode.runners.batched import LeanBatchedRunner
 from decode.runners.graphs import MIN_CAPACITY, GraphRunner
 from decode.runners.lean import LeanRunner
-from decode.sampling import SamplingParams
 from decode.speculative import speculative_decode, target_decode
 from distill.generation.batched_loop import generate_batch
 from distill.generation.runner_engine import row_uniforms
 from tests.test_lean import SCHEDULE, _llama
+
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 VOCAB = 49152

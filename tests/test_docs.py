@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from decode.config import Config
-from decode.config_reference import config_reference, sections
+from common.config import Config
+from common.config_reference import config_reference, sections
+
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -40,7 +41,7 @@ def _links(page: Path) -> list[str]:
 def test_configuration_page_is_current():
     page = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
     assert page == config_reference(), (
-        "docs/configuration.md differs from the config classes in decode/config.py: run `make docs`")
+        "docs/configuration.md differs from the config classes in common/config.py: run `make docs`")
 
 
 def _keys(cls=Config, prefix: str = "") -> list[str]:

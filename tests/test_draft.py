@@ -6,10 +6,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from common.models import load_model, param_count
 from decode import generate, speculative_generate
-from decode.models import load_model, param_count
+from decode.drafts.standalone.build import build_scratch_draft, choose_shape, project_embeddings, select_vocab
 from decode.vocab import VocabSubset
-from distill.draft import build_scratch_draft, choose_shape, project_embeddings, select_vocab
+
 
 # SmolLM2-135M-Instruct's shape (docs: ASSETS.md), counted on the meta device: no weights needed.
 SMOLLM2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,

@@ -12,8 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from decode.cli import run_cli
-from decode.config import load_config
+from common.cli import run_cli
+from common.config import load_config
+from common.errors import UserError
+from common.models import load_model
 from decode.engines.__main__ import add_to_report, main
 from decode.engines.exports import MissingExportError, draft_gguf, draft_hf, draft_kind, target_gguf
 from decode.engines.job import EngineJob
@@ -23,9 +25,8 @@ from decode.engines.rows import EngineRun, engine_rows, outputs_agree
 from decode.engines.target_logprob import token_logprobs
 from decode.engines.vllm_engine import runs_from_result, speculative_config, vllm_python
 from decode.engines.vllm_worker import ACCEPTED, DRAFT_TOKENS, DRAFTS, acceptance_counts, spec_counters
-from decode.errors import UserError
-from decode.models import load_model
 from decode.report import engine_lines
+
 
 FIXTURES = Path(__file__).with_name("fixtures") / "llamacpp"
 ROOT = Path(__file__).resolve().parents[1]
@@ -228,7 +229,7 @@ def test_a_missing_engine_stops_the_run_before_any_measurement(tmp_path, capsys)
 # --- end to end -----------------------------------------------------------------------------------
 
 def test_hf_engine_end_to_end_on_tiny_models(tmp_path):
-    from decode.models import load_tokenizer
+    from common.models import load_tokenizer
 
     hf = tmp_path / "export" / "hf"
     load_model("tiny:draft").save_pretrained(hf)
@@ -261,7 +262,7 @@ def test_llamacpp_tools_end_to_end(tmp_path):
     tools = ROOT / ".llamacpp" / "bin"
     if not (tools / "llama-speculative-simple").is_file():
         pytest.skip("llama.cpp's tools are not built (make setup-llamacpp)")
-    from decode.models import embedded_gguf
+    from common.models import embedded_gguf
 
     (tmp_path / "export" / "gguf").mkdir(parents=True)
     (tmp_path / "export" / "gguf" / "draft-f16.gguf").symlink_to(embedded_gguf())

@@ -12,13 +12,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from common.models import TokenizerMismatch, embedded_gguf, load_model, load_tokenizer
 from decode.hf_baselines import hf_generate
-from decode.models import TokenizerMismatch, embedded_gguf, load_model, load_tokenizer
 from decode.runners import make_runner
 from decode.vocab import VocabSubset
 from distill.export.gguf import GGUFExportError, write_gguf_files
 from distill.export.hf_full import LossyExportError
 from distill.export.run import ExportOptions, IncompleteDraftError, OutputInUseError, export_run
+
 
 ROOT = Path(__file__).resolve().parents[1]
 FULL_VOCAB = 49152

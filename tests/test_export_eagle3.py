@@ -8,12 +8,13 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
-from decode.errors import UserError
-from decode.feature_draft import FeatureDraft, FeatureDraftCache, FeatureDraftConfig
-from decode.models import load_model
+from common.errors import UserError
+from common.models import load_model
+from decode.drafts.feature.model import FeatureDraft, FeatureDraftCache, FeatureDraftConfig
 from distill.export.eagle3 import Eagle3ExportError, write_eagle3
 from distill.export.run import export_run
 from tests.conftest import random_feature_draft, small_llama
+
 
 SUBSET_IDS = [0, 1, 2, 3, 5, 7, 9, 11, 13]
 # vLLM's llama_eagle3 names (after its "midlayer." -> "layers.0." mapping) -> this project's.

@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 import torch
 
+from common.models import EMBEDDED, embedded_gguf, load_model
 from decode.engines.__main__ import main
-from decode.models import EMBEDDED, embedded_gguf, load_model
 from distill.export.eagle3 import Eagle3ExportError, eagle3_tensors
 from distill.export.eagle3_gguf import GGUF_NAMES, write_eagle3_gguf
 from distill.export.gguf import tokenizer_fields
 from tests.conftest import random_feature_draft, small_llama
+
 
 ROOT = Path(__file__).resolve().parent.parent
 SUBSET_IDS = [0, 1, 2, 3, 5, 7, 9, 11, 13]

@@ -1,12 +1,13 @@
-"""The feature draft (decode/feature_draft.py): its training forward equals cached decoding, and it saves,
+"""The feature draft (decode/drafts/feature/model.py): its training forward equals cached decoding, and it saves,
 loads and checks its target."""
 
 import pytest
 import torch
 
-from decode.feature_draft import (FeatureDraft, FeatureDraftCache, FeatureDraftConfig, feature_draft_problem,
-                                  is_feature_draft)
+from decode.drafts.feature.model import (FeatureDraft, FeatureDraftCache, FeatureDraftConfig, feature_draft_problem,
+                                         is_feature_draft)
 from tests.conftest import random_feature_draft, small_llama
+
 
 CONFIG = FeatureDraftConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
                             head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=64,

@@ -1,4 +1,4 @@
-"""Speculative decoding with a feature draft (decode/feature_proposer.py) on a tiny random Llama target:
+"""Speculative decoding with a feature draft (decode/drafts/feature/proposer.py) on a tiny random Llama target:
 what the draft reads at each position, lossless sampling (χ²), exact greedy, EOS and bad input."""
 
 from collections import Counter
@@ -8,14 +8,15 @@ import torch
 import torch.nn.functional as F
 from scipy import stats as scipy_stats
 
+from common.sampling import SamplingParams
 from decode import generate, speculative_generate
 from decode.api import build_feature_runner
-from decode.feature_draft import FeatureDraftCache, FeatureDraftMismatch
-from decode.feature_proposer import FeatureProposer, make_feature_proposer
+from decode.drafts.feature.model import FeatureDraftCache, FeatureDraftMismatch
+from decode.drafts.feature.proposer import FeatureProposer, make_feature_proposer
 from decode.runners import make_runner
-from decode.sampling import SamplingParams
 from decode.speculative import speculative_decode, target_decode
 from tests.conftest import random_feature_draft, small_llama
+
 
 PROMPT = torch.tensor([[0, 3, 7, 2, 9]])
 ONE_TOKEN = torch.tensor([[3]])

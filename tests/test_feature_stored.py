@@ -9,15 +9,17 @@ import subprocess
 import pytest
 import torch
 
-from decode.config import ConfigError, load_config
-from decode.models import load_model
+from common.config import ConfigError, load_config
+from common.models import load_model
 from distill.data import DataError, collate, load_examples
-from distill.features import FeatureSpec, features_dir, main as store_features
+from distill.features import FeatureSpec, features_dir
+from distill.features import main as store_features
 from distill.training.feature import FeatureRecipe
 from distill.training.feature_stored import StoredFeatures, StoredFeatureTeacher, topk_subset_logp
 from distill.training.feature_teacher import FeatureTeacher
 from tests.synthetic_shards import write_scored_shards
 from tests.test_feature_training import FEATURE, ROOT, feature_config, rows, run, save_target
+
 
 STORED = ["distill.teacher=stored"]
 # Both sides run the target in bf16, batched differently (padding, batch shape): a couple of bf16 ulps of

@@ -12,17 +12,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from decode.config import ConfigError, load_config
-from decode.feature_draft import FeatureDraft, is_feature_draft
-from decode.models import load_model, load_tokenizer
+from common.config import ConfigError, load_config
+from common.models import load_model, load_tokenizer
+from decode.drafts.feature.model import FeatureDraft, is_feature_draft
+from decode.drafts.feature.shape import build_feature_draft, choose_feature_shape
 from distill.checkpoint import latest_checkpoint
-from distill.feature_shape import build_feature_draft, choose_feature_shape
 from distill.train import train
 from distill.training.feature import FeatureRecipe
 from distill.training.feature_eval import tau_from_step_alphas
 from distill.training.feature_teacher import step_masks
 from tests.conftest import small_llama
 from tests.synthetic_shards import write_scored_shards
+
 
 ROOT = Path(__file__).resolve().parents[1]
 # Explicit sizes: the tiny target is too small for a feature draft within 3% (its width alone fixes more).

@@ -12,22 +12,23 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from decode import precision
-from decode.config import load_config
-from decode.errors import UserError
-from decode.models import load_model, load_tokenizer
-from decode.prompts import chat_token_ids, load_prompt_set
-from decode.progress import BatchProgress
+from common import precision
+from common.config import load_config
+from common.errors import UserError
+from common.models import load_model, load_tokenizer
+from common.progress import BatchProgress
+from common.prompts import chat_token_ids, load_prompt_set
+from common.sampling import SamplingParams, sample, sample_rows, warp_probs
 from decode.runners.batched import LeanBatchedRunner
 from decode.runners.hf import HFBatchedRunner
-from decode.sampling import SamplingParams, sample, sample_rows, warp_probs
+from distill.generate import run
 from distill.generation.batched_loop import generate_batch, score_batch
 from distill.generation.engine import Completion
 from distill.generation.pairs import clean_gsm8k
 from distill.generation.plan import PLAN_FILE, ResumeMismatch
 from distill.generation.runner_engine import row_uniforms
 from distill.generation.shards import CorruptShardError, verify_shards
-from distill.generate import run
+
 
 ROOT = Path(__file__).resolve().parents[1]
 # 24 prompts in 3 shards of 8 rows, 8 new tokens: a whole run takes a few seconds.

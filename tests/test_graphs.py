@@ -8,17 +8,18 @@ from real graphs.
 import pytest
 import torch
 
+from common.config import ConfigError, load_config
+from common.models import tiny_model
+from common.sampling import SamplingParams
 from decode import generate
-from decode.config import ConfigError, load_config
-from decode.models import tiny_model
 from decode.proposers import make_proposer
 from decode.runners import make_runner
 from decode.runners.graphs import MAX_GRAPH_ROWS, MIN_CAPACITY, GraphRunner
 from decode.runners.lean import LeanRunner
-from decode.sampling import SamplingParams
 from decode.speculative import speculative_decode, target_decode
 from decode.vocab import VocabSubset
 from tests.test_lean import SCHEDULE, _close, _llama, _subset_draft
+
 
 # Prefill longer than MAX_GRAPH_ROWS (the eager path on the same cache), then graph-sized calls.
 PREFILL = MAX_GRAPH_ROWS + 4

@@ -6,13 +6,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from decode.config import ConfigError
-from decode.models import load_model, load_tokenizer
+from common.config import ConfigError
+from common.models import load_model, load_tokenizer
 from decode.stats import expected_tau
 from distill.data import collate, load_examples
 from distill.held_out import draft_full_logits, held_out_acceptance, main
 from tests.conftest import small_llama, subset_llama
 from tests.synthetic_shards import write_scored_shards
+
 
 ROOT = Path(__file__).resolve().parents[1]
 

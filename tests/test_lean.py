@@ -4,15 +4,15 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from common.models import tiny_model
 from decode import generate, speculative_generate
-from decode.models import tiny_model
-from decode.runners import make_runner
+from decode.runners import make_runner, projection
 from decode.runners.hf import HFRunner
 from decode.runners.lean import CACHE_CHUNK, LeanRunner
 from decode.runners.llama import lean_supported
-from decode.runners import projection
 from decode.runners.projection import LAYOUTS, TIMED_ROWS, Projection, tune_layouts
 from decode.vocab import VocabSubset
+
 
 ATOL = 1e-4
 
@@ -243,7 +243,7 @@ def test_unsupported_configs_fall_back(make):
 
 @pytest.mark.slow
 def test_embedded_target_matches_hf():
-    from decode.models import EMBEDDED, load_model
+    from common.models import EMBEDDED, load_model
 
     model = load_model(EMBEDDED)
     hf, lean = HFRunner(model, 49152), LeanRunner(model, 49152)

@@ -2,9 +2,9 @@
 
 import pytest
 
+from common.sampling import SamplingParams
 from decode.lookup import NgramIndex
 from decode.proposers import LookupProposer
-from decode.sampling import SamplingParams
 
 
 def test_proposes_the_token_after_the_latest_occurrence():

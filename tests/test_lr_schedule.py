@@ -5,9 +5,10 @@ import math
 
 import pytest
 
-from decode.config import ConfigError, load_config, save_config
+from common.config import ConfigError, load_config, save_config
 from distill.training.optimizer import lr_lambda
 from distill.training.resume import check_resumable
+
 
 TINY = "configs/tiny.yaml"
 

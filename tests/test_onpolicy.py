@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from decode.config import ConfigError, load_config
-from decode.models import model_hash
+from common.config import ConfigError, load_config
+from common.models import model_hash
 from distill import onpolicy
 from distill.generate import run as generate
 from distill.onpolicy import mixture_weights, run_onpolicy
 from distill.train import train
+
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["generate.max_prompts=24", "generate.shard_size=8", "generate.max_new_tokens=8", "generate.batch_size=8",

@@ -1,4 +1,4 @@
-"""dtype 'auto' per machine (decode/precision.py) and progress that tells the truth (decode/progress.py)."""
+"""dtype 'auto' per machine (common/precision.py) and progress that tells the truth (common/progress.py)."""
 
 import re
 import warnings
@@ -6,9 +6,10 @@ import warnings
 import pytest
 import torch
 
-from decode import precision
-from decode.precision import machine_class, resolve_decode_dtype, resolve_dtype
-from decode.progress import BatchProgress, expectation
+from common import precision
+from common.precision import machine_class, resolve_decode_dtype, resolve_dtype
+from common.progress import BatchProgress, expectation
+
 
 AMX = frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16"})
 AVX2 = frozenset({"avx2", "fma"})

@@ -4,11 +4,10 @@ import json
 
 import pytest
 
-from decode.config import load_config
-from decode.errors import UserError
-from decode.models import load_tokenizer
-from decode.prompts import (PromptSourceError, build_prompt_set, evaluation_split, load_prompt_set, read_texts,
-                            split_of)
+from common.config import load_config
+from common.errors import UserError
+from common.models import load_tokenizer
+from common.prompts import PromptSourceError, build_prompt_set, evaluation_split, load_prompt_set, read_texts, split_of
 
 
 @pytest.fixture(scope="module")

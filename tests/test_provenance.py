@@ -2,7 +2,7 @@
 
 import subprocess
 
-from decode.provenance import git_revision
+from common.provenance import git_revision
 
 
 def _git(repo, *args):

@@ -4,8 +4,9 @@ import pytest
 import torch
 from scipy import stats as scipy_stats
 
-from decode.sampling import sample
+from common.sampling import sample
 from decode.speculative import verify_block, verify_greedy
+
 
 V = 6
 P_MIN = 1e-4

@@ -9,15 +9,17 @@ from scipy import stats as scipy_stats
 
 import decode.api
 import decode.speculative
+from common.sampling import SamplingParams
 from decode import generate, speculative_generate
 from decode.api import build_runners
-from decode.proposers import DraftProposer, LookupProposer, LookupThenDraft
+from decode.drafts.standalone.proposer import DraftProposer
+from decode.proposers import LookupProposer, LookupThenDraft
 from decode.runners import make_runner
 from decode.runners.hf import HFRunner
-from decode.sampling import SamplingParams
 from decode.speculative import speculative_decode, target_decode, verify_block
 from decode.stats import SpeculativeStats
 from tests.conftest import negated_copy, small_llama, subset_llama
+
 
 PROMPT = torch.tensor([[0, 3, 7, 2, 9]])
 # Repeated bigrams: prompt lookup has something to propose from the first step.

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from common.errors import UserError
+from common.models import TokenizerMismatch, check_tokenizers, load_tokenizer
 from decode import generate, speculative_generate
-from decode.errors import UserError
-from decode.models import TokenizerMismatch, check_tokenizers, load_tokenizer
 from tests.conftest import small_llama
 
 

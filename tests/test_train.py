@@ -2,12 +2,12 @@
 non-finite guard, DeepSpeed, LoRA, golden losses and a `make distill` smoke run. Tiny models, CPU."""
 
 import json
-from collections import Counter
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pyarrow as pa
@@ -17,9 +17,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from decode import generate, precision, speculative_generate
-from decode.config import ConfigError, load_config
-from decode.models import load_model, load_tokenizer
+from common import precision
+from common.config import ConfigError, load_config
+from common.models import load_model, load_tokenizer
+from decode import generate, speculative_generate
 from decode.vocab import VocabSubset
 from distill.checkpoint import latest_checkpoint
 from distill.data import DataError, StepSampler, load_examples, mixture_quotas
@@ -28,6 +29,7 @@ from distill.train import train
 from distill.training.recipe import NonFiniteError
 from distill.training.resume import changed_settings
 from tests.synthetic_shards import write_manifest, write_scored_shards
+
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable

@@ -7,19 +7,21 @@ import pytest
 import torch
 from scipy import stats as scipy_stats
 
+from common.sampling import SamplingParams, sample
 from decode.api import build_feature_runner, build_runners
-from decode.feature_proposer import FeatureProposer
+from decode.drafts.feature.proposer import FeatureProposer
+from decode.drafts.feature.tree_proposer import FeatureTreeProposer
+from decode.drafts.standalone.tree_proposer import DraftTreeProposer
+from decode.proposers import LookupProposer
 from decode.runners import make_runner
 from decode.runners.graphs import GraphRunner
-from decode.sampling import SamplingParams, sample
 from decode.speculative import target_decode
 from decode.tree import (MAX_TREE_NODES, DynamicTree, StaticTree, TokenTree, TreeShapeError, ancestors, best_budget,
-                         deeper_pays,
-                         parse_tree, tree_window)
+                         deeper_pays, parse_tree, tree_window)
 from decode.tree_decode import tree_decode, verify_tree, verify_tree_greedy
-from decode.proposers import LookupProposer
-from decode.tree_proposers import DraftTreeProposer, FeatureTreeProposer, LookupTreeProposer
+from decode.tree_proposers import LookupTreeProposer
 from tests.conftest import negated_copy, random_feature_draft, small_llama, subset_llama
+
 
 PROMPT = torch.tensor([[0, 3, 7, 2, 9]])
 SHAPES = ["3x2x1", "dynamic:depth=4,branch=3,nodes=8"]

@@ -25,8 +25,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from decode.config import ConfigError, load_config
-from decode.models import embedded_dir
+from common.config import ConfigError, load_config
+from common.models import embedded_dir
 from distill.generate import load_runner, run
 from distill.generation import vllm_wire as wire
 from distill.generation.engine_choice import choose_engine
@@ -36,6 +36,7 @@ from distill.generation.shards import SCHEMA, TOPK_FIELDS, verify_shards
 from distill.generation.vllm_engine import llm_kwargs
 from distill.generation.vllm_process import VllmFailed, VllmUnavailable, gpu_share, installed_version, worker_env
 from distill.generation.vllm_worker import answer, serve, topk_arrays
+
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE_VLLM = ROOT / "tests" / "fake_vllm"

@@ -17,9 +17,11 @@ from pathlib import Path
 
 from transformers import AutoConfig
 
+from common.cli import cli_config, run_cli
+from common.config import Config, config_to_dict
+from common.models import load_tokenizer, tiny_model
+from common.provenance import git_revision
 from decode.bench import eval_prompts
-from decode.cli import cli_config, run_cli
-from decode.config import Config, config_to_dict
 from decode.engines.exports import draft_gguf, draft_hf, draft_kind, export_dir, target_gguf
 from decode.engines.hf_engine import run_hf
 from decode.engines.job import EngineJob
@@ -27,9 +29,8 @@ from decode.engines.llamacpp_engine import llamacpp_tools, run_llamacpp
 from decode.engines.rows import EngineRun, engine_rows
 from decode.engines.target_logprob import score_runs
 from decode.engines.vllm_engine import run_vllm, target_folder, vllm_python
-from decode.models import load_tokenizer, tiny_model
-from decode.provenance import git_revision
 from decode.report import write_engines_markdown, write_markdown
+
 
 RUNNERS = {"hf": run_hf, "vllm": run_vllm, "llamacpp": run_llamacpp}
 

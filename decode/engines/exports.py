@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from decode.config import Config
-from decode.errors import UserError
+from common.config import Config
+from common.errors import UserError
+
 
 EXPORT_FORMATS = {"hf": "hf-full", "gguf": "gguf", "target-gguf": "target-gguf"}
 """A standalone draft's run: folder under the export folder -> `python -m distill.export --format`."""
@@ -61,7 +62,7 @@ def target_gguf(cfg: Config) -> Path:
     """The target's GGUF per engines.llamacpp_target: a quant of `make export`'s, the wheel's, or a path."""
     choice = cfg.engines.llamacpp_target
     if choice == "embedded":
-        from decode.models import embedded_gguf
+        from common.models import embedded_gguf
 
         return embedded_gguf()
     if choice in ("f16", "q8_0"):

@@ -11,11 +11,11 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
+from common.models import load_model, resolve_device, torch_dtype
 from decode.engines.exports import draft_hf
 from decode.engines.job import EngineJob
 from decode.engines.rows import EngineRun
 from decode.hf_baselines import hf_generate
-from decode.models import load_model, resolve_device, torch_dtype
 from decode.timing import timed
 
 

@@ -8,8 +8,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from decode.config import Config
-from decode.errors import UserError
+from common.config import Config
+from common.errors import UserError
 
 
 class EngineFailed(UserError):

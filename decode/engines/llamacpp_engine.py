@@ -24,11 +24,12 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.errors import UserError
 from decode.engines.exports import draft_gguf, target_gguf
 from decode.engines.job import EngineFailed, EngineJob
 from decode.engines.llamacpp_output import LlamaCppResult, parse_plain, parse_speculative
 from decode.engines.rows import EngineRun
-from decode.errors import UserError
+
 
 PLAIN_TOOLS = ("llama-completion", "llama-cli")
 """Plain decoding: llama-completion where it exists (llama-cli became an interactive chat there)."""

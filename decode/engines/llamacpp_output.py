@@ -20,7 +20,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from decode.errors import UserError
+from common.errors import UserError
+
 
 NUMBER = r"([0-9]+(?:\.[0-9]+)?)"
 

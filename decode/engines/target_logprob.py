@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from common.models import load_model, resolve_device, torch_dtype
 from decode.engines.job import EngineJob
 from decode.engines.rows import EngineRun
-from decode.models import load_model, resolve_device, torch_dtype
 
 
 @torch.inference_mode()

@@ -21,11 +21,12 @@ from pathlib import Path
 
 import torch
 
+from common.errors import UserError
+from common.models import EMBEDDED, embedded_dir
 from decode.engines.exports import draft_hf
 from decode.engines.job import EngineFailed, EngineJob
 from decode.engines.rows import EngineRun
-from decode.errors import UserError
-from decode.models import EMBEDDED, embedded_dir
+
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from decode.cli import run_cli
+from common.cli import run_cli
 from distill.export.run import FORMATS, ExportOptions, export_run
 
 

@@ -26,8 +26,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from decode.errors import UserError
-from decode.feature_draft import FeatureDraft
+from common.errors import UserError
+from decode.drafts.feature.model import FeatureDraft
+
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 

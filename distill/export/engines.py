@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from decode.cli import cli_config, run_cli
+from common.cli import cli_config, run_cli
+from decode.drafts.feature.model import is_feature_draft
 from decode.engines.exports import EXPORT_FORMATS, FEATURE_EXPORT_FORMATS, export_dir
-from decode.feature_draft import is_feature_draft
 from distill.export.run import export_run
 
 

@@ -3,7 +3,7 @@
 llama.cpp takes a draft only when its vocabulary matches the target's: the same vocabulary type,
 BOS/EOS ids and add-BOS/EOS flags, sizes within 128 and the same token text from id 5 on. The
 tokenizer metadata (every `tokenizer.*` key) is therefore copied from a GGUF of the target: the
-embedded target's own (decode.models.embedded_gguf, also for the tiny test models, which share its
+embedded target's own (common.models.embedded_gguf, also for the tiny test models, which share its
 tokenizer), or the file the user serves the target from (target_gguf). The weights are the
 hf-full export's (distill/export/hf_full.py), written under llama.cpp's Llama tensor names with
 the q/k rows permuted as llama.cpp's convert_hf_to_gguf.py does (its rotary embedding pairs
@@ -21,7 +21,8 @@ import gguf
 import numpy as np
 import torch
 
-from decode.errors import UserError
+from common.errors import UserError
+
 
 # File name suffix -> (GGUF file type, the type of 2-D weight matrices).
 QUANTS = {

@@ -22,7 +22,7 @@ import copy
 import torch
 from transformers import AutoModelForCausalLM
 
-from decode.errors import UserError
+from common.errors import UserError
 from decode.vocab import VocabSubset
 
 

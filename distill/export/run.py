@@ -5,7 +5,7 @@ with export.json saying which draft and format made it: nothing is ever half-wri
 existing --out is replaced only when it holds an export of the same draft or the same source folder.
 Refused with a one-line UserError: an unknown format, a source folder that is not a complete
 draft, a draft whose tokenizer is not the target's, an --out that holds something else, a feature
-draft (decode/feature_draft.py) as a standalone draft's format or the other way round.
+draft (decode/drafts/feature/model.py) as a standalone draft's format or the other way round.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import yaml
 
-from decode.errors import UserError
-from decode.feature_draft import FeatureDraft, check_target, feature_draft_problem, is_feature_draft
-from decode.models import (EMBEDDED, TOKENIZER_FILES, check_tokenizers, embedded_gguf, load_model,
-                           load_tokenizer, model_hash)
+from common.errors import UserError
+from common.models import (EMBEDDED, TOKENIZER_FILES, check_tokenizers, embedded_gguf, load_model, load_tokenizer,
+                           model_hash)
+from decode.drafts.feature.model import FeatureDraft, check_target, feature_draft_problem, is_feature_draft
 from distill.disk import reporting_full_disk
 from distill.export.eagle3 import write_eagle3
 from distill.export.eagle3_gguf import write_eagle3_gguf
@@ -28,6 +28,7 @@ from distill.export.gguf import GGUFExportError, tokenizer_fields, write_gguf_fi
 from distill.export.hf import export_hf
 from distill.export.hf_full import full_vocab_model
 from distill.training.feature_target import target_config
+
 
 # The run's own records, carried into every export so it says what made it.
 RUN_FILES = ("config.yaml", "metrics.json")

@@ -18,12 +18,13 @@ from pathlib import Path
 
 from transformers import AutoConfig
 
+from common.errors import UserError
+from decode.drafts.feature.model import is_feature_draft
 from decode.engines.exports import EXPORT_FORMATS, FEATURE_EXPORT_FORMATS, export_dir
-from decode.errors import UserError
-from decode.feature_draft import is_feature_draft
 from decode.vocab import VocabSubset
 from distill.export.hf_full import exports_exactly
 from distill.export.run import export_run
+
 
 FEATURE_FOLDERS = {folder: fmt for folder, fmt in FEATURE_EXPORT_FORMATS.items() if fmt != "target-gguf"}
 """Folder under the export folder -> format, for a feature draft: the draft's own formats of `make export`."""

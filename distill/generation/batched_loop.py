@@ -2,7 +2,7 @@
 teacher-forced scoring.
 
 Each row draws its tokens from its own stream of uniforms (`uniforms[b, t]` for step t) through
-`decode.sampling.sample_rows`, so a completion depends on neither its batch nor its neighbours (up
+`common.sampling.sample_rows`, so a completion depends on neither its batch nor its neighbours (up
 to float rounding of batched GEMMs, which moves a draw only when a uniform lands within ~1e-9 of a
 CDF step).
 """
@@ -12,8 +12,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from decode.sampling import NUCLEUS_CANDIDATES, SamplingParams, sample_rows
+from common.sampling import NUCLEUS_CANDIDATES, SamplingParams, sample_rows
 from distill.generation.engine import Completion
+
 
 # Compact the cache once this fraction of its rows has finished: a compaction copies the filled
 # cache (~1 GB at 128 rows x 200 slots for SmolLM2), about the cost of one decode step, while

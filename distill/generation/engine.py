@@ -16,7 +16,7 @@ from typing import Protocol
 
 import numpy as np
 
-from decode.sampling import SamplingParams
+from common.sampling import SamplingParams
 from distill.generation.plan import Row
 
 

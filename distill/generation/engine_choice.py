@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from decode.config import Config
+from common.config import Config
 from distill.generation.plan import recorded_engine
 from distill.generation.vllm_process import SETUP_HINT, VllmUnavailable, installed_version
 

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from decode.config import Config, config_to_dict
-from decode.precision import DtypeChoice
-from decode.prompts import PromptSet
-from decode.provenance import git_revision
+from common.config import Config, config_to_dict
+from common.precision import DtypeChoice
+from common.prompts import PromptSet
+from common.provenance import git_revision
 from distill.generation.plan import Row, skipped_by_reason
 from distill.generation.shards import check_shard_readable, sha256_file, shard_name
 

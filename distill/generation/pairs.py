@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import re
 
-from decode.config import ConfigError
-from decode.prompts import Prompt, PromptSet, gsm8k_answers, local_prompt_file, read_texts
+from common.config import ConfigError
+from common.prompts import Prompt, PromptSet, gsm8k_answers, local_prompt_file, read_texts
+
 
 # Responses shipped with a named source: (source, response_field) -> reader of the responses in the
 # order of the source's prompts.

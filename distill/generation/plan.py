@@ -16,11 +16,12 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from decode.config import Config, ConfigError
-from decode.errors import UserError
-from decode.models import model_hash
-from decode.prompts import Prompt, PromptSet, build_prompt_set, chat_template_hash, tokenizer_hash
+from common.config import Config, ConfigError
+from common.errors import UserError
+from common.models import model_hash
+from common.prompts import Prompt, PromptSet, build_prompt_set, chat_template_hash, tokenizer_hash
 from distill.generation.pairs import response_rows, responses_by_prompt
+
 
 PLAN_FILE = "plan.json"
 

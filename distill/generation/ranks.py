@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from decode.models import resolve_device
+from common.models import resolve_device
 
 
 class Ranks:

@@ -18,8 +18,8 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from decode.config import Config, ConfigError
-from decode.models import check_tokenizers, load_model, load_tokenizer, model_hash
+from common.config import Config, ConfigError
+from common.models import check_tokenizers, load_model, load_tokenizer, model_hash
 from distill.export.hf_full import full_vocab_model
 from distill.generation.engine import Completion, Engine
 from distill.generation.plan import Row

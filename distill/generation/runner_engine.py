@@ -1,7 +1,7 @@
 """The project's generation engine: a BatchedRunner (decode/runners) driven by the batched token loop.
 
 Reproducibility: every (prompt_id, sample_index) owns a stream of uniforms seeded by a hash, and
-step t's token is `decode.sampling.sample_rows` at that row's uniform t. A prompt's completion
+step t's token is `common.sampling.sample_rows` at that row's uniform t. A prompt's completion
 therefore depends on neither its batch, its neighbours nor its rank.
 """
 
@@ -12,13 +12,14 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from common.sampling import SamplingParams
 from decode.runners.protocol import BatchedRunner
-from decode.sampling import SamplingParams
 from distill.generation.batched_loop import generate_batch, score_batch
 from distill.generation.engine import Completion, row_seed
 from distill.generation.plan import Row
 
-# The row streams (row_uniforms) and decode.sampling's inverse CDF: u ~ U[0, 1), the first token
+
+# The row streams (row_uniforms) and common.sampling's inverse CDF: u ~ U[0, 1), the first token
 # whose cumulative probability exceeds u * total. Version 1 (plan.json without a "sampler" field)
 # drew 1 - u and took the first token reaching it: other tokens for the same seed, so a resume of
 # such a run is refused.

@@ -16,7 +16,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from decode.errors import UserError
+from common.errors import UserError
+
 
 SCHEMA = pa.schema([
     ("prompt_id", pa.string()),

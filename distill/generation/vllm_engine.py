@@ -16,13 +16,14 @@ from pathlib import Path
 
 from transformers import AutoConfig, GenerationConfig
 
-from decode.config import Config, ConfigError
-from decode.models import EMBEDDED, embedded_dir
-from decode.sampling import SamplingParams
+from common.config import Config, ConfigError
+from common.models import EMBEDDED, embedded_dir
+from common.sampling import SamplingParams
 from distill.generation import vllm_wire as wire
 from distill.generation.engine import Completion, eos_ids, row_seed
 from distill.generation.plan import Row
 from distill.generation.vllm_process import VllmWorker, worker_env
+
 
 # Rows per LLM.generate call, in batches (generate.batch_size = vLLM's max_num_seqs): vLLM refills
 # its batch as sequences end, so only the last batch of a window runs part-empty.

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import torch
 
+from common.errors import UserError
 from decode.engines.vllm_engine import worker_env as cpu_worker_env
-from decode.errors import UserError
 from distill.generation import vllm_wire as wire
+
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 SETUP_HINT = "run `make setup-vllm`, or point generate.vllm.python at an interpreter that has vLLM"

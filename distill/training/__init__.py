@@ -7,7 +7,7 @@
   run_log.py      metrics.jsonl, W&B and the progress bar (main process only)
   resume.py       which settings a resumed run may change
 
-A feature draft (distill.draft_kind=feature, decode/feature_draft.py) overrides the recipe's draft,
+A feature draft (distill.draft_kind=feature, decode/drafts/feature/model.py) overrides the recipe's draft,
 teacher, loss, evaluation and export:
 
   feature.py         FeatureRecipe: the DistillRecipe with those parts swapped

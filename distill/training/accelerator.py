@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from decode.models import resolve_device
+from common.models import resolve_device
 
 
 def make_accelerator(config):

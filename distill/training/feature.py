@@ -1,5 +1,5 @@
 """`make distill` with distill.draft_kind=feature: DistillRecipe's loop (accelerate, optimizer, checkpoints,
-resume, evaluation cadence, run log, early stop, SIGTERM) with a feature draft (decode/feature_draft.py)
+resume, evaluation cadence, run log, early stop, SIGTERM) with a feature draft (decode/drafts/feature/model.py)
 in place of the standalone one.
 
 Per micro-batch the frozen target runs online (feature_teacher.py) and gives the hidden states of the
@@ -19,18 +19,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from decode.feature_draft import FeatureDraft
-from decode.models import load_tokenizer, param_count
+from common.models import load_tokenizer, param_count
+from decode.drafts.feature.model import FeatureDraft
+from decode.drafts.feature.shape import build_feature_draft, choose_feature_shape, feature_layers
 from distill.checkpoint import latest_checkpoint
 from distill.export.hf import export_hf
-from distill.feature_shape import build_feature_draft, choose_feature_shape, feature_layers
-from distill.training.recipe import DistillRecipe
 from distill.features import FeatureSpec
 from distill.training.feature_eval import evaluate_feature
-from distill.training.feature_stored import StoredFeatures, StoredFeatureTeacher
 from distill.training.feature_loss import unrolled_loss
+from distill.training.feature_stored import StoredFeatures, StoredFeatureTeacher
 from distill.training.feature_target import TargetIdentity, target_config
 from distill.training.feature_teacher import FeatureTeacher, step_masks
+from distill.training.recipe import DistillRecipe
 
 
 class UnrolledFeatureDraft(nn.Module):

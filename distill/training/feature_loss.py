@@ -35,7 +35,7 @@ def unrolled_loss(dc, step_logits: list[torch.Tensor], target_logp: torch.Tensor
         draft_logp = torch.log_softmax(logits.float(), -1)
         if j == 0:
             first = (draft_logp, target_hat)
-        # No labels: 'ce' (the one term that reads them) is refused for a feature draft (decode/config.py).
+        # No labels: 'ce' (the one term that reads them) is refused for a feature draft (common/config.py).
         part = mixed_loss(dc.loss, draft_logp, target_hat, logits, None, mass, dc.jsd_beta, dc.kd_temperature,
                           dc.lk_eta, dc.filter_hardest)
         total = total + dc.ttt_decay ** j * part

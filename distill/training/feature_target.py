@@ -15,9 +15,10 @@ from pathlib import Path
 
 from transformers import AutoConfig
 
-from decode.config import ConfigError
-from decode.models import EMBEDDED, embedded_dir, tiny_model
-from decode.prompts import tokenizer_hash
+from common.config import ConfigError
+from common.models import EMBEDDED, embedded_dir, tiny_model
+from common.prompts import tokenizer_hash
+
 
 IDENTITY_FILE = "feature_target.json"
 

@@ -20,14 +20,14 @@ from pathlib import Path
 import torch
 import yaml
 
-from decode.config import config_to_dict
-from decode.models import check_tokenizers, load_model, load_tokenizer, param_count, resolve_device
-from decode.precision import resolve_dtype
-from decode.progress import expectation
+from common.config import config_to_dict
+from common.models import check_tokenizers, load_model, load_tokenizer, param_count, resolve_device
+from common.precision import resolve_dtype
+from common.progress import expectation
+from decode.drafts.standalone.build import build_pretrained_draft, build_scratch_draft, select_vocab
 from decode.vocab import VocabSubset
 from distill.checkpoint import TrainState, latest_checkpoint, load_newest_loadable, save_checkpoint
 from distill.data import StepSampler, collate, load_examples, token_counts
-from distill.draft import build_pretrained_draft, build_scratch_draft, select_vocab
 from distill.export.hf import copy_hf, export_hf
 from distill.losses import kl_per_token, mixed_loss
 from distill.training.accelerator import make_accelerator

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import yaml
 
-from decode.config import ConfigError, config_to_dict
-from decode.models import resolve_device
-from decode.precision import resolve_dtype
+from common.config import ConfigError, config_to_dict
+from common.models import resolve_device
+from common.precision import resolve_dtype
+
 
 # How long the run goes, how often it evaluates/saves, and what it reports: the weights of a step
 # do not depend on them. distill.max_steps also sets where the cosine schedule ends when

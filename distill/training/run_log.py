@@ -4,7 +4,7 @@ metrics.jsonl holds one row per logged step. A run that starts from step N (a re
 fresh start in a folder a crashed run left) first drops the rows of steps after N: those steps
 are replayed, and their rows would otherwise appear twice.
 
-W&B (decode.tracking): offline unless the user is logged in. The run id is kept in
+W&B (common.tracking): offline unless the user is logged in. The run id is kept in
 <out_dir>/wandb_run_id so a resumed run continues the same W&B run.
 """
 
@@ -17,8 +17,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from decode.config import config_to_dict
-from decode.tracking import start_wandb
+from common.config import config_to_dict
+from common.tracking import start_wandb
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:

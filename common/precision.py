@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+
 # x86 flags of native bf16 arithmetic (/proc/cpuinfo "flags"), and aarch64's ("Features").
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 # The GEMM timed each way: 128 rows (a generation batch) through SmolLM2-135M's MLP up-projection.

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+
 # Top-p candidates sorted per row by sample_rows; at T=0.7, top-p 0.95 SmolLM2's nucleus rarely exceeds ~100 tokens.
 NUCLEUS_CANDIDATES = 512
 

@@ -17,8 +17,8 @@ import sys
 import typing
 from typing import Callable
 
-from decode.config import Config, load_config
-from decode.errors import UserError
+from common.config import Config, load_config
+from common.errors import UserError
 
 
 def run_cli(main: Callable[[list[str] | None], object], argv: list[str] | None = None) -> None:

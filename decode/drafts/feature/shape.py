@@ -1,4 +1,4 @@
-"""Build a feature draft (decode/feature_draft.py) sized to a parameter ratio of its target.
+"""Build a feature draft (decode/drafts/feature/model.py) sized to a parameter ratio of its target.
 
 Most of a feature draft is fixed by the target: at the target's width H, reading L of its layers,
 `fc` (L·H x H), attention over [embedding, hidden] (2H -> q, k, v, then o) and four norms. Only the
@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from decode.config import ConfigError
-from decode.feature_draft import FeatureDraft, FeatureDraftConfig, default_target_layers
+from common.config import ConfigError
+from decode.drafts.feature.model import FeatureDraft, FeatureDraftConfig, default_target_layers
+
 
 HEAD_ROWS_MULTIPLE = 64  # whole 64-row tiles for the head's matmul
 MLP_MULTIPLE = 16

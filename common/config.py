@@ -4,8 +4,8 @@ One YAML file per experiment drives generate-data, distill and eval-speedup.
 Unknown keys, wrong types and impossible values fail here, with a clear
 message, before any model is loaded: each section lists its own problems and
 `Config.validate` adds the checks that span sections. The sections live in
-decode/config_training.py (generate, distill) and decode/config_eval.py (eval,
-engines, wandb), their shared checks in decode/config_checks.py; this module
+common/config_training.py (generate, distill) and common/config_eval.py (eval,
+engines, wandb), their shared checks in common/config_checks.py; this module
 holds the whole Config and its loading, overrides and coercion. The machinery
 lives in `decode/` because `decode/` must never import `distill/`, and both
 read the same file.
@@ -22,10 +22,10 @@ from pathlib import Path
 
 import yaml
 
-from decode.config_checks import suggest
-from decode.config_eval import EnginesConfig, EvalConfig, WandbConfig
-from decode.config_training import DistillConfig, GenerateConfig, OnPolicyConfig
-from decode.errors import UserError
+from common.config_checks import suggest
+from common.config_eval import EnginesConfig, EvalConfig, WandbConfig
+from common.config_training import DistillConfig, GenerateConfig, OnPolicyConfig
+from common.errors import UserError
 
 
 class ConfigError(UserError):
@@ -63,7 +63,7 @@ class Config:
         """Fail before any heavy work when a model reference cannot load: a missing or incomplete
         local folder, an unknown embedded/tiny name, a hub id while the hub is offline.
         `keys` are the references this stage uses, e.g. 'target' or 'distill.init'."""
-        from decode.models import reference_problem  # torch + transformers: only where models are used
+        from common.models import reference_problem  # torch + transformers: only where models are used
 
         problems = [f"{key}: {problem}" for key in keys
                     if (problem := reference_problem(_value_at(self, key)))]

@@ -30,8 +30,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from decode.errors import UserError
+from common.errors import UserError
 from decode.runners.llama import RotaryTable
+
 
 CONFIG_FILE = "feature_draft.json"
 WEIGHTS_FILE = "model.safetensors"

@@ -2,7 +2,7 @@
 
 A config value, a model reference, a prompt file or a data folder that cannot work raises a
 `UserError` subclass with a message that names the key or file and says what to do. The entry
-points (decode/cli.py `run_cli`) print such errors as one `error: ...` line and exit with 2;
+points (common/cli.py `run_cli`) print such errors as one `error: ...` line and exit with 2;
 anything else is a bug and keeps its traceback.
 """
 

@@ -1,12 +1,12 @@
-"""The eval-speedup, engines and W&B sections of the configuration (decode/config.py)."""
+"""The eval-speedup, engines and W&B sections of the configuration (common/config.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from decode.config_checks import (DATA_SPLITS, DTYPE_NAMES, ENGINE_DRAFTS, ENGINE_NAMES, GGUF_QUANTS, not_one_of,
+from common.config_checks import (DATA_SPLITS, DTYPE_NAMES, ENGINE_DRAFTS, ENGINE_NAMES, GGUF_QUANTS, not_one_of,
                                   sampling_problem, suggest)
-from decode.sampling import SamplingParams
+from common.sampling import SamplingParams
 from decode.tree import TreeShapeError, parse_tree
 
 

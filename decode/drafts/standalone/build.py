@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from decode.models import param_count
+from common.models import param_count
 from decode.vocab import VocabSubset
 
 
@@ -170,7 +170,7 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 def build_pretrained_draft(ref: str, lora_rank: int, seed: int):
     """A pretrained draft (same tokenizer as the target); LoRA adapters when lora_rank > 0."""
-    from decode.models import load_model
+    from common.models import load_model
 
     torch.manual_seed(seed)
     draft = load_model(ref)

@@ -1,6 +1,6 @@
 """The configuration reference (docs/configuration.md), generated from the config dataclasses (decode/config*.py).
 
-    python -m decode.config_reference > docs/configuration.md      (or: make docs)
+    python -m common.config_reference > docs/configuration.md      (or: make docs)
 
 Per section one table: the dotted key, its default and its meaning, the string literal written right
 after the field in the class body. tests/test_docs.py checks that the page equals this output.
@@ -15,12 +15,13 @@ import json
 import textwrap
 import typing
 
-from decode.config import Config
+from common.config import Config
+
 
 HEADER = """# Configuration reference
 
-Generated from the config classes (`decode/config.py` and the sections it imports) by `make docs`
-(`python -m decode.config_reference > docs/configuration.md`); do not edit by hand.
+Generated from the config classes (`common/config.py` and the sections it imports) by `make docs`
+(`python -m common.config_reference > docs/configuration.md`); do not edit by hand.
 Every key can be set in a config file (`CONFIG=configs/x.yaml`) or on the command line
 (`ARGS="key.sub=value ..."`); `python -m decode.bench --help` lists the same keys with their defaults.
 """

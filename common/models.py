@@ -10,7 +10,7 @@ A reference is one of:
                                   the tests)
 
 `reference_problem` checks a reference without loading it, so entry points can refuse a mistyped
-one before any heavy work (decode.config.Config.check_model_refs).
+one before any heavy work (common.config.Config.check_model_refs).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from decode.errors import UserError
+from common.errors import UserError
+
 
 EMBEDDED = "embedded:smollm2-135m-instruct"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -55,8 +56,8 @@ def resolve_device(device: str = "auto") -> torch.device:
 
 
 def torch_dtype(name: str, device: str | torch.device) -> torch.dtype:
-    """A decoding dtype name ('fp32', 'bf16', or 'auto') as a torch dtype (decode.precision.resolve_decode_dtype)."""
-    from decode.precision import resolve_decode_dtype
+    """A decoding dtype name ('fp32', 'bf16', or 'auto') as a torch dtype (common.precision.resolve_decode_dtype)."""
+    from common.precision import resolve_decode_dtype
 
     return resolve_decode_dtype(name, device).torch_dtype
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from decode.feature_draft import FeatureDraft, FeatureDraftCache
+from decode.drafts.feature.model import FeatureDraft, FeatureDraftCache
 
 
 class FeatureDraftSteps:

@@ -1,4 +1,4 @@
-"""The generate-data and distill sections of the configuration (decode/config.py)."""
+"""The generate-data and distill sections of the configuration (common/config.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from decode.config_checks import DTYPE_NAMES, LOSS_NAMES, not_one_of, sampling_problem, suggest
-from decode.sampling import SamplingParams
+from common.config_checks import DTYPE_NAMES, LOSS_NAMES, not_one_of, sampling_problem, suggest
+from common.sampling import SamplingParams
 
 
 @dataclass
@@ -141,8 +141,8 @@ class DistillConfig:
     out_dir: str = "runs/default"
     """Run folder: checkpoints/step-N/, final/, metrics."""
     draft_kind: str = "standalone"
-    """'standalone': a small language model of its own (distill/draft.py). 'feature': an EAGLE-3-style
-    head reading the target's hidden states (decode/feature_draft.py; needs teacher=online or stored)."""
+    """'standalone': a small language model of its own (decode/drafts/standalone/build.py). 'feature': an EAGLE-3-style
+    head reading the target's hidden states (decode/drafts/feature/model.py; needs teacher=online or stored)."""
     init: str = "scratch"
     """'scratch' builds a draft in the target's family; otherwise a pretrained HF model reference."""
     param_ratio: float = 0.02
@@ -220,7 +220,7 @@ class DistillConfig:
     """Draft length k for the τ implied by the held-out α (decode.stats.expected_tau)."""
     feature_layers: list[int] = field(default_factory=list)
     """Feature draft: the target's decoder layers it reads, 0-based (empty = low, middle and high:
-    decode.feature_draft.default_target_layers)."""
+    decode.drafts.feature.model.default_target_layers)."""
     feature_intermediate_size: int = 0
     """Feature draft: MLP width (0 = what param_ratio leaves after its fixed layers and head)."""
     ttt_steps: int = 3

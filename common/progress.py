@@ -14,7 +14,7 @@ import time
 
 from tqdm import tqdm
 
-from decode.precision import machine_class
+from common.precision import machine_class
 
 
 def duration(seconds: float) -> str:

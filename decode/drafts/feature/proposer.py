@@ -1,4 +1,4 @@
-"""The feature draft's proposer (decode/feature_draft.py): it drafts from the target's own hidden states.
+"""The feature draft's proposer (decode/drafts/feature/model.py): it drafts from the target's own hidden states.
 
 Draft position i reads a hidden state and the target's embedding of token i + 1, and predicts token
 i + 2. Where the target has verified position i (fed token i in a forward whose output is committed),
@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from decode.feature_draft import FeatureDraft, FeatureDraftCache
-from decode.proposers import LookupProposer, LookupThenDraft, Proposal, check_lookup_ngram
+from common.sampling import SamplingParams, sample
+from decode.drafts.feature.model import FeatureDraft, FeatureDraftCache
+from decode.proposal import Proposal
+from decode.proposers import LookupProposer, LookupThenDraft, check_lookup_ngram
 from decode.runners import Runner
-from decode.sampling import SamplingParams, sample
 
 
 class FeatureProposer:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import difflib
 
-from decode.sampling import SamplingParams
+from common.sampling import SamplingParams
+
 
 DTYPE_NAMES = ("auto", "fp32", "bf16")
-"""The one spelling of a dtype in every section; 'auto' resolves per machine (decode/precision.py)."""
+"""The one spelling of a dtype in every section; 'auto' resolves per machine (common/precision.py)."""
 LOSS_NAMES = ("forward_kl", "reverse_kl", "jsd", "tvd", "neg_log_accept", "lk", "ce")
 DATA_SPLITS = ("train", "eval")
 ENGINE_NAMES = ("hf", "vllm", "llamacpp")

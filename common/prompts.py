@@ -16,8 +16,7 @@ Each prompt gets a stable id (hash of source and text), the target's chat templa
 prompts are in the set. Bad prompts are skipped and reported by reason, never fatal: that includes a
 JSONL line that is not UTF-8 or not a JSON object (reason 'unreadable', with file:line). A file that
 cannot be read at all, or lacks the text column, is a PromptSourceError naming it.
-This lives in decode/ because the speed benchmark needs the same prompt sets (decode/ never imports
-distill/).
+Generation, training and the speed benchmark all read the same prompt sets, hence common/.
 """
 
 from __future__ import annotations
@@ -34,7 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, NamedTuple
 
-from decode.errors import UserError
+from common.errors import UserError
+
 
 EMBEDDED_PARTS = ("persistbench", "freshqa", "writingbench", "gsm8k")
 NAMED_SOURCES = EMBEDDED_PARTS + ("humaneval",)

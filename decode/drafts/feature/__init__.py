@@ -1,0 +1,1 @@
+"""A feature draft (EAGLE-3 style): one decoder layer reading the target's hidden states."""

@@ -1,0 +1,1 @@
+"""A standalone draft: a small language model of its own, sampled one token at a time."""
