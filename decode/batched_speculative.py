@@ -11,11 +11,9 @@ accepts for it, drawing from its own generator, so a row's output does not depen
 Rows that finish (EOS or max_new_tokens) leave; queued requests join. `draft_runner=None` is target-only
 decoding at the same batch size: the baseline a serving speedup is measured against.
 
-adaptive=True makes k a maximum: when a batch forms, one draft forward and target forwards of 1..k+1
-tokens per row are timed on it (r(n, batch) and c in target steps), and each round drafts the k
-(0..k, 0: none) that maximises the predicted tokens per unit time, (1 - α^(k+1)) / (1 - α) / cost(k), α
-being the acceptance so far and cost(k) = k c + r(k) scaled by how much longer the timed rounds took
-than predicted (`AdaptiveK`).
+adaptive=True makes k a maximum: each round drafts the k (0..k, 0: none) of the most expected tokens
+per second, from the acceptance so far at each depth and the wall time of the rounds run with that k,
+timed on the rounds themselves, so measuring costs no forwards of its own (`AdaptiveK`).
 
 The invariants, per row: the target holds its committed text but the last token; the draft holds a
 prefix of committed + drafted text (`pending`: the committed tokens it has not read yet).
@@ -23,7 +21,9 @@ prefix of committed + drafted text (`pending`: the committed tokens it has not r
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -84,17 +84,15 @@ def serve(target: RaggedRunner, draft: RaggedRunner | None, prompts: list[list[i
         joining = [queue.pop(0) for _ in range(min(batch_size - len(live), len(queue)))]
         if joining:
             live += _join(target, draft, prompts, joining, generators, max(k, 1))
-            if chooser is not None and chooser.step_seconds is None:
-                chooser.start(*measure_costs(target, draft, live, k))
         round_k = chooser.choose() if chooser is not None else k
         started = time.perf_counter()
-        accepted = tried = 0
+        blocks = []
         if draft is not None and round_k > 0:
-            accepted, tried = _speculative_round(target, draft, live, round_k, max_new_tokens, sampling, p_min)
+            blocks = _speculative_round(target, draft, live, round_k, max_new_tokens, sampling, p_min)
         else:
             _target_round(target, live, sampling)
         if chooser is not None:
-            chooser.observe(round_k, time.perf_counter() - started, accepted, tried)
+            chooser.observe(round_k, time.perf_counter() - started, blocks)
         finished = [i for i, row in enumerate(live) if row.produced >= max_new_tokens
                     or cut_at_eos(row.committed[row.prompt_len:], eos)[1]]
         for i in finished:
@@ -133,9 +131,9 @@ def _target_round(target: RaggedRunner, live: list[_Row], sampling: SamplingPara
 
 
 def _speculative_round(target: RaggedRunner, draft: RaggedRunner, live: list[_Row], k: int, max_new_tokens: int,
-                       sampling: SamplingParams, p_min: float) -> tuple[int, int]:
-    """One draft-and-verify block for every live row; returns (accepted, tried) guesses over the rows."""
-    accepted_before, tried_before = sum(r.stats.accepted for r in live), sum(r.stats.tried for r in live)
+                       sampling: SamplingParams, p_min: float) -> list[tuple[int, int]]:
+    """One draft-and-verify block for every live row; returns each row's (guesses, accepted guesses)."""
+    blocks = []
     limits = [max(0, min(k, max_new_tokens - row.produced - 1)) for row in live]
     drafted, draft_probs = _draft(draft, live, limits, sampling, p_min)
     width = 1 + max(map(len, drafted))
@@ -156,13 +154,14 @@ def _speculative_round(target: RaggedRunner, draft: RaggedRunner, live: list[_Ro
         row.committed += emitted
         row.stats.record_block(proposed=len(guess), tried=min(len(guess), accepted + 1), accepted=accepted,
                                emitted=len(emitted), draft_forwards=len(guess))
+        blocks.append((len(guess), accepted))
         keep_target.append(len(row.committed) - 1)
         kept = min(held[i], before + accepted)  # the draft read committed text, then the guesses
         keep_draft.append(kept)
         row.pending = row.committed[kept:]
     target.truncate(torch.tensor(keep_target))
     draft.truncate(torch.tensor(keep_draft))
-    return sum(r.stats.accepted for r in live) - accepted_before, sum(r.stats.tried for r in live) - tried_before
+    return blocks
 
 
 def _draft(draft: RaggedRunner, live: list[_Row], limits: list[int], sampling: SamplingParams,
@@ -200,79 +199,71 @@ def _draft(draft: RaggedRunner, live: list[_Row], limits: list[int], sampling: S
 
 
 class AdaptiveK:
-    """The k of each round (0: no drafting) from each k's cost and the acceptance so far.
+    """The k of each round (0: no drafting) from what rounds with each k took and the acceptance so far.
 
-    A k's cost is the time of a round with it, in one-token target forwards: predicted from the forwards
-    `measure_costs` times (k draft forwards + a verification of k + 1 tokens per row), times that k's
-    ratio of timed to predicted rounds (until it has one, the ratio of the rounds timed so far): the host
-    work per row that the forwards leave out (acceptance, sampling, bookkeeping) enters too. A round is
-    worth the expected tokens per row, (1 - α^(k+1)) / (1 - α) at acceptance α."""
+    A k's cost is the wall time of its rounds (the median of its last TIMED rounds, so a round the OS
+    interrupted does not stick): the draft forwards, the verification of k + 1 tokens per row at this
+    batch size, and the host work per row (acceptance, sampling, bookkeeping), all of it measured on
+    rounds that decode, so knowing the costs takes no forwards of its own. The first rounds run every k
+    three times (a k's first round is not timed: the first calls at a new shape allocate); after that
+    each round runs the k of the most expected tokens per second, and every
+    EXPLORE_EVERY rounds a neighbour of it (one more or one fewer, the one timed longer ago) instead, so
+    the costs near the choice follow the machine and the batch. A round is worth the expected tokens per
+    row, 1 + sum over j <= k of α_1 ... α_j, with α_j the acceptance of the guess at depth j once the
+    j - 1 before it were accepted, counted per depth: acceptance is not the same at every depth (the
+    demo's draft at k = 4: 0.38 at depth 1, 0.41-0.55 at depths 2-4), and one α pooled over depths
+    misprices each k by the depths it does not reach."""
 
     PRIOR = (1, 2)
     """Acceptance before any block: 1 of 2 guesses, worth two guesses of evidence."""
+    DEPTH_PRIOR_WEIGHT = 2
+    """A depth's α starts at the acceptance pooled over all depths, worth this many tests of that depth."""
     EXPLORE_EVERY = 16
-    """Every this many rounds a neighbour of the best k (one more or one fewer, the one timed longer ago)
-    runs instead, so the estimates near the choice stay measured, also while drafting is off."""
-    TIMED_WEIGHT = 0.3
-    """How far one timed round moves its k's ratio."""
+    TIMED = 8
 
     def __init__(self, k_max: int):
         self.k_max = k_max
-        self.accepted, self.tried = self.PRIOR
-        self.step_seconds: float | None = None
-        self.predicted: dict[int, float] = {}
-        self.ratio: dict[int, float] = {}
-        self.last_used: dict[int, int] = {}
+        self.accepted = [0] * (k_max + 1)  # [j]: guesses at depth j accepted (index 0 unused)
+        self.tried = [0] * (k_max + 1)  # [j]: guesses at depth j tested (those before it all accepted)
+        self.timed: dict[int, deque[float]] = {k: deque(maxlen=self.TIMED) for k in range(k_max + 1)}
+        self.runs = dict.fromkeys(range(k_max + 1), 0)
+        self.last_used = dict.fromkeys(range(k_max + 1), 0)
         self.rounds = 0
 
-    def start(self, step_seconds: float, c: float, r: dict[int, float]) -> None:
-        """The predicted costs from measure_costs' figures."""
-        self.step_seconds = step_seconds
-        self.predicted = {0: 1.0} | {k: k * c + r[k] for k in range(1, self.k_max + 1)}
-        self.last_used = dict.fromkeys(self.predicted, 0)
-
-    def cost(self, k: int) -> float:
-        shared = sum(self.ratio.values()) / len(self.ratio) if self.ratio else 1.0
-        return self.predicted[k] * self.ratio.get(k, shared)
+    def depth_acceptance(self, depth: int) -> float:
+        prior_accepted, prior_tried = self.PRIOR
+        pooled = (prior_accepted + sum(self.accepted)) / (prior_tried + sum(self.tried))
+        weight = self.DEPTH_PRIOR_WEIGHT
+        return min((self.accepted[depth] + weight * pooled) / (self.tried[depth] + weight), 0.99)
 
     def expected_tokens(self, k: int) -> float:
-        alpha = min(self.accepted / self.tried, 0.99)
-        return (1 - alpha ** (k + 1)) / (1 - alpha)
+        tokens = reach = 1.0
+        for depth in range(1, k + 1):
+            reach *= self.depth_acceptance(depth)  # the chance that the first `depth` guesses are accepted
+            tokens += reach
+        return tokens
+
+    def seconds(self, k: int) -> float:
+        return statistics.median(self.timed[k])
 
     def choose(self) -> int:
         self.rounds += 1
-        best = max(self.predicted, key=lambda k: self.expected_tokens(k) / self.cost(k))
+        unmeasured = [k for k, times in self.timed.items() if len(times) < 2]
+        if unmeasured:
+            return unmeasured[0]
+        best = max(self.timed, key=lambda k: self.expected_tokens(k) / self.seconds(k))
         if self.rounds % self.EXPLORE_EVERY == 0:
-            neighbours = [k for k in (best - 1, best + 1) if k in self.predicted]
+            neighbours = [k for k in (best - 1, best + 1) if k in self.timed]
             return min(neighbours, key=self.last_used.get, default=best)
         return best
 
-    def observe(self, k: int, seconds: float, accepted: int, tried: int) -> None:
-        """One round with k took `seconds` and accepted `accepted` of `tried` guesses."""
-        self.accepted += accepted
-        self.tried += tried
-        timed = seconds / self.step_seconds / self.predicted[k]
-        self.ratio[k] = self.ratio.get(k, timed) + self.TIMED_WEIGHT * (timed - self.ratio.get(k, timed))
+    def observe(self, k: int, seconds: float, blocks: list[tuple[int, int]]) -> None:
+        """One round with k took `seconds`; `blocks`: each row's (guesses, accepted guesses)."""
+        for guesses, accepted in blocks:
+            for depth in range(1, min(guesses, accepted + 1) + 1):
+                self.tried[depth] += 1
+                self.accepted[depth] += depth <= accepted
+        self.runs[k] += 1
         self.last_used[k] = self.rounds
-
-
-def measure_costs(target: RaggedRunner, draft: RaggedRunner, live: list[_Row],
-                  k_max: int) -> tuple[float, float, dict]:
-    """(seconds of a one-token target forward, c, {k: r(k)}) on this batch: a one-token draft forward and
-    target forwards of k + 1 tokens per row, in units of the one-token target forward; each forward's slots are dropped again. Medians of 5, after
-    one untimed forward of each width (the first calls at a new shape allocate)."""
-    rows = len(live)
-
-    def seconds(runner: RaggedRunner, width: int) -> float:
-        lengths = runner.lengths.clone()
-        tokens = torch.tensor([[row.committed[-1]] * width for row in live])
-        times = []
-        for _ in range(6):
-            start = time.perf_counter()
-            runner.forward(tokens, torch.full((rows,), width))
-            times.append(time.perf_counter() - start)
-            runner.truncate(lengths)
-        return sorted(times[1:])[2]
-
-    step = seconds(target, 1)
-    return step, seconds(draft, 1) / step, {k: seconds(target, k + 1) / step for k in range(1, k_max + 1)}
+        if self.runs[k] > 1:
+            self.timed[k].append(seconds)

@@ -10,12 +10,11 @@ from scipy import stats as scipy_stats
 
 from common.sampling import SamplingParams
 from decode.api import build_runners
-from decode.batched_speculative import AdaptiveK, _Row, measure_costs, serve
+from decode.batched_speculative import AdaptiveK, serve
 from decode.drafts.standalone.proposer import DraftProposer
 from decode.runners import make_runner
 from decode.runners.ragged import RaggedRunner
 from decode.speculative import speculative_decode, target_decode
-from decode.stats import SpeculativeStats
 from tests.conftest import small_llama, subset_llama
 
 
@@ -141,53 +140,75 @@ def test_a_full_cache_is_compacted_instead_of_grown(pair, monkeypatch):
     assert target_runner.cache.valid.shape[1] <= 32
 
 
-@pytest.mark.parametrize("costs, drafts", [((1.0, 0.01, {k: 1.0 for k in (1, 2, 3)}), True),
-                                           ((1.0, 2.0, {k: 3.0 for k in (1, 2, 3)}), False)])
-def test_adaptive_k_drafts_only_where_the_cost_model_says_it_pays(pair, monkeypatch, costs, drafts):
-    target, draft = pair
-    monkeypatch.setattr("decode.batched_speculative.measure_costs", lambda *args: costs)
-    monkeypatch.setattr(AdaptiveK, "TIMED_WEIGHT", 0.0)  # the predicted costs alone (tiny rounds time as noise)
+@pytest.mark.parametrize("extra_per_guess, drafts", [(0.01, True), (2.0, False)])
+def test_adaptive_k_drafts_only_where_timed_rounds_say_it_pays(pair, monkeypatch, extra_per_guess, drafts):
+    target = pair[0]
+    draft = small_llama(seed=0, layers=2)  # the target itself: every guess accepted
+    observe, choices = AdaptiveK.observe, []
+
+    def observe_synthetic_seconds(self, k, seconds, blocks):  # tiny rounds time as noise: a known cost instead
+        choices.append(k)
+        observe(self, k, 1.0 + extra_per_guess * k, blocks)
+
+    monkeypatch.setattr(AdaptiveK, "observe", observe_synthetic_seconds)
     outcomes = serve(RaggedRunner(target, 16), RaggedRunner(draft, 16), PROMPTS, batch_size=3, k=3,
-                     max_new_tokens=12, sampling=SamplingParams(), adaptive=True)
+                     max_new_tokens=64, sampling=SamplingParams(), adaptive=True)
     lean = make_runner(target, 16, "lean")
     for prompt, outcome in zip(PROMPTS, outcomes):
-        assert outcome.tokens == target_decode(lean, torch.tensor([prompt]), max_new_tokens=12,
+        assert outcome.tokens == target_decode(lean, torch.tensor([prompt]), max_new_tokens=64,
                                                sampling=SamplingParams()).tolist()
-    per_forward = sum(o.stats.proposed for o in outcomes) / sum(o.stats.target_forwards for o in outcomes)
-    # Where drafting never pays, only every EXPLORE_EVERY-th round drafts (one guess: k = 1, the neighbour of 0).
-    assert per_forward > 1 if drafts else 0 < per_forward <= 1 / AdaptiveK.EXPLORE_EVERY
+    assert choices[:12] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]  # every k 3 times, its first round not timed
+    after = choices[12:]
+    assert len(after) > AdaptiveK.EXPLORE_EVERY
+    if drafts:  # k = 3 but for the exploration rounds (k = 2)
+        assert set(after) == {2, 3} and after.count(2) <= len(after) / AdaptiveK.EXPLORE_EVERY + 1
+    else:  # only the exploration rounds draft (one guess: k = 1, the neighbour of 0)
+        assert set(after) == {0, 1} and after.count(1) <= len(after) / AdaptiveK.EXPLORE_EVERY + 1
+
+
+def timed_chooser(k_max: int, seconds: dict[int, float]) -> AdaptiveK:
+    """An AdaptiveK past its first rounds, each k's rounds having taken seconds[k]."""
+    chooser = AdaptiveK(k_max)
+    for k in range(k_max + 1):
+        for _ in range(3):
+            assert chooser.choose() == k
+            chooser.observe(k, seconds[k], [])
+    return chooser
 
 
 def test_adaptive_k_follows_the_acceptance_and_the_timed_rounds():
-    chooser = AdaptiveK(6)
-    chooser.start(0.04, 0.05, {k: 1.0 + 0.05 * k for k in range(1, 7)})
-    chooser.observe(6, 0.04 * chooser.predicted[6], 95, 98)  # nearly every guess accepted: draft far ahead
-    assert chooser.choose() == 6
-    chooser.accepted, chooser.tried = 1, 50  # nearly nothing accepted: no drafting
-    assert chooser.choose() == 0
-    chooser.accepted, chooser.tried = 5, 10
-    assert chooser.choose() == 2  # α = 0.5: 1.75 tokens for 1.2 steps beats k = 1 and 3
-    for _ in range(10):  # k = 2 rounds turn out to take 3 target steps: no longer worth it
-        chooser.observe(2, 0.12, 2, 4)
-    assert chooser.cost(2) == pytest.approx(3.0, rel=0.05)
-    assert chooser.cost(3) > chooser.predicted[3]  # untimed ks take the timed rounds' ratio
+    seconds = {k: 1.0 + 0.05 * k for k in range(7)}
+    far_ahead = timed_chooser(6, seconds)
+    far_ahead.observe(6, seconds[6], [(6, 6)] * 16)  # every guess accepted: draft far ahead
+    assert far_ahead.choose() == 6
+    useless = timed_chooser(6, seconds)
+    useless.observe(1, seconds[1], [(1, 0)] * 50)  # nothing accepted: no drafting
+    assert useless.choose() == 0
+    chooser = timed_chooser(6, {k: 1.0 + 0.2 * k for k in range(7)})
+    half = [(2, 0), (2, 0), (2, 1), (2, 2)]  # α = 0.5 at depths 1 and 2
+    chooser.observe(2, 1.4, half * 5)
+    assert chooser.choose() == 1  # α = 0.5: 1.5 tokens in 1.2 s beats 1.75 in 1.4 s and 1 in 1.0 s
+    for _ in range(10):  # k = 1 rounds turn out to take 1.6 s: no longer worth it
+        chooser.observe(1, 1.6, half)
+    assert chooser.seconds(1) == pytest.approx(1.6)
     explored = []
     for _ in range(4 * AdaptiveK.EXPLORE_EVERY):
         explored.append(chooser.choose())
-        chooser.observe(explored[-1], 0.04 * chooser.cost(explored[-1]), 0, 0)
+        chooser.observe(explored[-1], chooser.seconds(explored[-1]), [])
     best = max(set(explored), key=explored.count)
+    assert best == 2  # 1.75 tokens in 1.4 s
     assert set(explored) - {best} <= {best - 1, best + 1} and len(set(explored)) >= 2  # neighbours explored
 
 
-def test_measured_costs_leave_the_rows_as_they_were(pair):
-    target, draft = pair
-    target_runner, draft_runner = RaggedRunner(target, 16), RaggedRunner(draft, 16)
-    outcomes = serve(target_runner, draft_runner, PROMPTS[:2], batch_size=2, k=2, max_new_tokens=6,
-                     sampling=SamplingParams(), adaptive=True)
-    assert all(len(o.tokens) == 6 for o in outcomes)
-    target_runner.add([[0, 3]])
-    draft_runner.add([[0, 3]])
-    rows = [_Row(0, [0, 3, 7], 3, None, SpeculativeStats(k=2), 0.0)]
-    step, c, r = measure_costs(target_runner, draft_runner, rows, 3)
-    assert step > 0 and c > 0 and set(r) == {1, 2, 3} and all(v > 0 for v in r.values())
-    assert target_runner.lengths.tolist() == [2] and draft_runner.lengths.tolist() == [2]
+def test_adaptive_k_counts_acceptance_per_depth():
+    chooser = AdaptiveK(3)
+    chooser.observe(3, 1.0, [(3, 0), (3, 1), (3, 3), (2, 2), (1, 0)])
+    # a guess is tested when every guess before it was accepted; (2, 2) drafted no third guess
+    assert chooser.tried[1:] == [5, 3, 1] and chooser.accepted[1:] == [3, 2, 1]
+    # First guesses nearly always accepted, second ones rarely: one more guess costs 0.1 s and is worth
+    # 0.09 tokens, so k = 1. One α pooled over the depths (0.52) would price the second guess at 0.27.
+    chooser = timed_chooser(3, {k: 1.0 + 0.1 * k for k in range(4)})
+    chooser.observe(2, 1.2, [(2, 0)] * 10 + [(2, 1)] * 81 + [(2, 2)] * 9)
+    assert chooser.depth_acceptance(1) == pytest.approx(0.9, abs=0.01)
+    assert chooser.depth_acceptance(2) == pytest.approx(0.1, abs=0.01)
+    assert chooser.choose() == 1
