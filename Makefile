@@ -16,8 +16,9 @@ $(VENV)/.installed: pyproject.toml scripts/setup.sh
 	touch $@
 
 # pytest exit code 5 means "no tests collected": that is a failure here, never a pass.
+# One pytest-xdist worker per core, at most 4; a test file stays on one worker (its fixtures are built once).
 test: setup
-	$(PY) -m pytest -q -x tests $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest -q -x -n auto --maxprocesses 4 --dist loadfile tests $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests"; exit 1; fi; exit $$rc
 
 test-fast: setup

@@ -10,7 +10,14 @@ from decode.vocab import VocabSubset
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# `make test` runs one pytest-xdist worker per core (at most 4): each worker, and every process a test
+# starts, takes its share of the cores, since oversubscribed OpenMP threads make training-sized work
+# many times slower.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+THREADS = max(1, min(2, torch.get_num_threads()) // WORKERS)
+torch.set_num_threads(THREADS)
+if WORKERS > 1:
+    os.environ["OMP_NUM_THREADS"] = str(THREADS)
 
 
 def small_llama(vocab_size: int = 16, hidden: int = 32, layers: int = 1, seed: int = 0,
