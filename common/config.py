@@ -6,9 +6,7 @@ message, before any model is loaded: each section lists its own problems and
 `Config.validate` adds the checks that span sections. The sections live in
 common/config_training.py (generate, distill) and common/config_eval.py (eval,
 engines, wandb), their shared checks in common/config_checks.py; this module
-holds the whole Config and its loading, overrides and coercion. The machinery
-lives in `decode/` because `decode/` must never import `distill/`, and both
-read the same file.
+holds the whole Config and its loading, overrides and coercion.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Names and value checks the config sections share (decode/config*.py)."""
+"""Names and value checks the config sections share (common/config*.py)."""
 
 from __future__ import annotations
 

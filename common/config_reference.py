@@ -1,4 +1,4 @@
-"""The configuration reference (docs/configuration.md), generated from the config dataclasses (decode/config*.py).
+"""The configuration reference (docs/configuration.md), generated from the config dataclasses (common/config*.py).
 
     python -m common.config_reference > docs/configuration.md      (or: make docs)
 
