@@ -206,9 +206,9 @@ class AdaptiveK:
     batch size, and the host work per row (acceptance, sampling, bookkeeping), all of it measured on
     rounds that decode, so knowing the costs takes no forwards of its own. The first rounds run every k
     three times (a k's first round is not timed: the first calls at a new shape allocate); after that
-    each round runs the k of the most expected tokens per second, and every
-    EXPLORE_EVERY rounds a neighbour of it (one more or one fewer, the one timed longer ago) instead, so
-    the costs near the choice follow the machine and the batch. A round is worth the expected tokens per
+    each round runs the k of the most expected tokens per second, and every EXPLORE_EVERY rounds a
+    neighbour of it (one more or one fewer, the one timed longer ago) instead, so the costs near the
+    choice follow the machine and the batch. A round is worth the expected tokens per
     row, 1 + sum over j <= k of α_1 ... α_j, with α_j the acceptance of the guess at depth j once the
     j - 1 before it were accepted, counted per depth: acceptance is not the same at every depth (the
     demo's draft at k = 4: 0.38 at depth 1, 0.41-0.55 at depths 2-4), and one α pooled over depths
@@ -220,6 +220,7 @@ class AdaptiveK:
     """A depth's α starts at the acceptance pooled over all depths, worth this many tests of that depth."""
     EXPLORE_EVERY = 16
     TIMED = 8
+    """A k's cost is the median of its last this many timed rounds."""
 
     def __init__(self, k_max: int):
         self.k_max = k_max
