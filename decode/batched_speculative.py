@@ -70,8 +70,9 @@ def check_serving(batch_size: int, k: int, p_min: float) -> None:
 def serve(target: RaggedRunner, draft: RaggedRunner | None, prompts: list[list[int]], *, batch_size: int, k: int,
           max_new_tokens: int, sampling: SamplingParams, eos_token_id: int | list[int] | None = None,
           generators: list[torch.Generator | None] | None = None, p_min: float = 0.0,
-          adaptive: bool = False) -> list[RowOutcome]:
-    """Decode every prompt, `batch_size` at a time; outcomes in prompt order."""
+          adaptive: bool | AdaptiveK = False) -> list[RowOutcome]:
+    """Decode every prompt, `batch_size` at a time; outcomes in prompt order. adaptive: True, or an
+    AdaptiveK(k) to keep across calls (what it measured carries over, as in a server that keeps running)."""
     check_serving(batch_size, k if draft is not None else 0, p_min)
     eos = eos_set(eos_token_id)
     generators = generators or [None] * len(prompts)
@@ -79,7 +80,11 @@ def serve(target: RaggedRunner, draft: RaggedRunner | None, prompts: list[list[i
     if draft is not None:
         draft.reset()
     queue, live, done = list(range(len(prompts))), [], {}
-    chooser = AdaptiveK(k) if adaptive and draft is not None and k > 0 else None
+    chooser = None
+    if adaptive is not False and draft is not None and k > 0:
+        chooser = adaptive if isinstance(adaptive, AdaptiveK) else AdaptiveK(k)
+        if chooser.k_max != k:
+            raise ValueError(f"the AdaptiveK given chooses k up to {chooser.k_max}, serve was asked for k={k}")
     while queue or live:
         joining = [queue.pop(0) for _ in range(min(batch_size - len(live), len(queue)))]
         if joining:

@@ -3,8 +3,9 @@
 For each batch size of eval.serving_batches and each temperature: the first prompt set's prompts, repeated
 to make eval.serving_requests requests (at least twice the batch), decoded with continuous batching by
 target-only decoding, by the standalone draft at each k of eval.ks (and with eval.serving_p_min when
-set) and with k chosen per round ("draft auto"), one method after the other on the same runners. Each row: tokens/s over all requests, speedup over
-target-only at the same batch size, τ, the mean time from a request joining to its last token, and
+set) and with k chosen per round ("draft auto"), on the same runners, the methods taking turns on groups
+of requests (SERVING_GROUPS). Each row: tokens/s over all requests, speedup over target-only at the same
+batch size, τ, the mean time from a request joining to its last token, and
 whether every greedy row equals batch-1 target-only decoding.
 """
 
@@ -20,7 +21,7 @@ import torch
 
 from common.config import ConfigError
 from common.sampling import SamplingParams
-from decode.batched_speculative import serve
+from decode.batched_speculative import AdaptiveK, serve
 from decode.runners.ragged import RaggedRunner
 from decode.stats import SpeculativeStats
 from decode.vocab import model_vocab_size
@@ -34,27 +35,44 @@ def serving_methods(ks: list[int], p_min: float) -> list[tuple[str, int, float, 
     return methods + [("draft auto", max(ks), 0.0, True)]
 
 
+SERVING_GROUPS = 4
+"""A batch size's requests are decoded in up to this many groups of at least two batches each, every method
+on each group in turn (the order rotated per group), so a drift in the machine's speed falls on every method
+alike, as the batch-1 rows interleave per prompt. "draft auto" keeps its AdaptiveK from group to group."""
+
+
+def request_groups(n_requests: int, batch: int) -> list[range]:
+    groups = max(1, min(SERVING_GROUPS, n_requests // (2 * batch)))
+    bounds = [round(g * n_requests / groups) for g in range(groups + 1)]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
 def measure_serving(s, greedy_tokens: dict[tuple[str, str], list[int]]) -> list[dict]:
     """The serving rows of `s` (decode.bench.Setup); greedy_tokens: batch-1 target-only greedy outputs."""
     ev = s.cfg.eval
     vocab = model_vocab_size(s.target)
     target, draft = RaggedRunner(s.target, vocab), RaggedRunner(s.draft, vocab)
     set_name, prompts = next(iter(s.prompt_sets.items()))
+    methods = serving_methods(ev.ks, ev.serving_p_min)
     rows = []
     for batch in ev.serving_batches:
         requests = [prompts[i % len(prompts)] for i in range(max(ev.serving_requests, 2 * batch))]
         for temperature in ev.temperatures:
             sampling = SamplingParams(temperature, ev.top_k, ev.top_p)
+            runs: list[list[dict]] = [[] for _ in methods]
+            choosers = [AdaptiveK(k) if adaptive else False for _, k, _, adaptive in methods]
+            for g, group in enumerate(request_groups(len(requests), batch)):
+                for i in [*range(g % len(methods), len(methods)), *range(g % len(methods))]:
+                    _, k, p_min, _ = methods[i]
+                    runs[i].append(_timed_serve(s, target, draft if k else None, requests, group, batch, k, p_min,
+                                                choosers[i], sampling))
             baseline = None
-            for name, k, p_min, adaptive in serving_methods(ev.ks, ev.serving_p_min):
-                row = _timed_serve(s, target, draft if k else None, requests, batch, k, p_min, adaptive, sampling)
+            for (name, k, p_min, _), method_runs in zip(methods, runs):
+                row = _merged(method_runs)
                 row.update(prompt_set=set_name, batch=batch, temperature=temperature, method=name, k=k, p_min=p_min)
-                if sampling.greedy:
-                    row["greedy_identical"] = all(tokens == greedy_tokens[(set_name, p.prompt_id)]
-                                                  for tokens, p in zip(row.pop("outputs"), requests))
-                else:
-                    row.pop("outputs")
-                    row["greedy_identical"] = None
+                outputs = row.pop("outputs")
+                row["greedy_identical"] = all(tokens == greedy_tokens[(set_name, p.prompt_id)] for tokens, p
+                                              in zip(outputs, requests)) if sampling.greedy else None
                 baseline = baseline or row["tok_s"]
                 row["speedup"] = row["tok_s"] / baseline
                 rows.append(row)
@@ -82,21 +100,26 @@ def check_serving_memory(ev, prompt_lengths: list[int], models: list[torch.nn.Mo
                           "use smaller batch sizes or fewer eval.max_new_tokens")
 
 
-def _timed_serve(s, target: RaggedRunner, draft: RaggedRunner | None, requests: list, batch: int, k: int,
-                 p_min: float, adaptive: bool, sampling: SamplingParams) -> dict:
+def _timed_serve(s, target: RaggedRunner, draft: RaggedRunner | None, requests: list, group: range, batch: int,
+                 k: int, p_min: float, adaptive: bool | AdaptiveK, sampling: SamplingParams) -> dict:
     ev = s.cfg.eval
-    # Row i's generator depends on its request, so each method samples every request alike.
-    generators = [torch.Generator().manual_seed(_seed(s.cfg.seed, p.prompt_id, i)) for i, p in enumerate(requests)]
+    # Request i's generator depends on the request, so each method samples every request alike.
+    generators = [torch.Generator().manual_seed(_seed(s.cfg.seed, requests[i].prompt_id, i)) for i in group]
     start = time.perf_counter()
-    outcomes = serve(target, draft, [list(p.token_ids) for p in requests], batch_size=batch, k=k,
+    outcomes = serve(target, draft, [list(requests[i].token_ids) for i in group], batch_size=batch, k=k,
                      max_new_tokens=ev.max_new_tokens, sampling=sampling, eos_token_id=s.tokenizer.eos_token_id,
                      generators=generators, p_min=p_min, adaptive=adaptive)
-    seconds = time.perf_counter() - start
-    stats = SpeculativeStats(k=max(k, 1))
+    return {"seconds": time.perf_counter() - start, "outcomes": outcomes}
+
+
+def _merged(runs: list[dict]) -> dict:
+    """One row from a method's runs over the request groups, in request order."""
+    outcomes = [o for run in runs for o in run["outcomes"]]
+    stats = SpeculativeStats(k=max(1, max(o.stats.k for o in outcomes)))
     for outcome in outcomes:
         stats = stats.merge(outcome.stats)
-    tokens = sum(len(o.tokens) for o in outcomes)
-    return {"requests": len(requests), "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
+    tokens, seconds = sum(len(o.tokens) for o in outcomes), sum(run["seconds"] for run in runs)
+    return {"requests": len(outcomes), "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
             "tau": stats.tau, "alpha": stats.alpha, "mean_latency_s": statistics.mean(o.seconds for o in outcomes),
             "outputs": [o.tokens for o in outcomes]}
 

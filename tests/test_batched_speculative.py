@@ -166,6 +166,21 @@ def test_adaptive_k_drafts_only_where_timed_rounds_say_it_pays(pair, monkeypatch
         assert set(after) == {0, 1} and after.count(1) <= len(after) / AdaptiveK.EXPLORE_EVERY + 1
 
 
+def test_an_adaptive_k_kept_across_calls_carries_what_it_measured(pair):
+    target, draft = pair
+    chooser = AdaptiveK(3)
+    target_runner, draft_runner = RaggedRunner(target, 16), RaggedRunner(draft, 16)
+    serve(target_runner, draft_runner, PROMPTS[:2], batch_size=2, k=3, max_new_tokens=6, sampling=SamplingParams(),
+          adaptive=chooser)
+    rounds, tried = chooser.rounds, sum(chooser.tried)
+    outcomes = serve(target_runner, draft_runner, PROMPTS[2:], batch_size=2, k=3, max_new_tokens=6,
+                     sampling=SamplingParams(), adaptive=chooser)
+    assert chooser.rounds > rounds and sum(chooser.tried) >= tried and all(len(o.tokens) == 6 for o in outcomes)
+    with pytest.raises(ValueError, match="chooses k up to 3, serve was asked for k=2"):
+        serve(target_runner, draft_runner, PROMPTS[:1], batch_size=1, k=2, max_new_tokens=2,
+              sampling=SamplingParams(), adaptive=chooser)
+
+
 def timed_chooser(k_max: int, seconds: dict[int, float]) -> AdaptiveK:
     """An AdaptiveK past its first rounds, each k's rounds having taken seconds[k]."""
     chooser = AdaptiveK(k_max)

@@ -9,6 +9,7 @@ import pytest
 
 from common.config import ConfigError, load_config
 from decode.bench import main, setup
+from decode.serving import request_groups
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,14 +107,15 @@ def test_a_draft_not_smaller_than_the_target_warns():
 def test_serving_table_at_several_batch_sizes(tmp_path, one_thread):
     report = main(["--config", "configs/tiny.yaml", "draft=tiny:draft", "eval.prompts=[gsm8k]", "eval.num_prompts=3",
                    "eval.ks=[2]", "eval.hf_baselines=false", "eval.warmup=0", "eval.max_new_tokens=8",
-                   "eval.serving_batches=[1, 3]", "eval.serving_p_min=0.3", f"eval.out_dir={tmp_path}",
-                   "wandb.mode=disabled"])
+                   "eval.serving_batches=[1, 3]", "eval.serving_p_min=0.3", "eval.serving_requests=8",
+                   f"eval.out_dir={tmp_path}", "wandb.mode=disabled"])
     rows = report["serving"]["rows"]
     assert {(r["batch"], r["temperature"], r["method"]) for r in rows} == {
         (b, t, m) for b in (1, 3) for t in (0.0, 0.7) for m in ("target-only", "draft", "draft p_min", "draft auto")}
     for r in rows:
-        assert r["requests"] == 2 * r["batch"] and r["tokens"] > 0 and r["mean_latency_s"] > 0
-        assert r["greedy_identical"] is (True if r["temperature"] == 0 else None)
+        # batch 1: 4 groups of 2 requests, the methods taking turns; batch 3: one group
+        assert r["requests"] == 8 and r["tokens"] > 0 and r["mean_latency_s"] > 0
+        assert r["greedy_identical"] is (True if r["temperature"] == 0 else None)  # outputs in request order
         if r["method"] == "target-only":
             assert r["speedup"] == 1.0 and r["tau"] == 1.0
         else:
@@ -121,6 +123,12 @@ def test_serving_table_at_several_batch_sizes(tmp_path, one_thread):
     markdown = (tmp_path / "report.md").read_text()
     assert "## Serving (batch > 1)" in markdown and (tmp_path / "serving.png").stat().st_size > 0
     assert set(report["serving"]["pays_up_to"]) == {0.0, 0.7}
+
+
+def test_request_groups_cover_every_request_once_in_order():
+    assert request_groups(16, 1) == [range(0, 4), range(4, 8), range(8, 12), range(12, 16)]
+    assert request_groups(9, 2) == [range(0, 4), range(4, 9)]  # groups of at least two batches
+    assert request_groups(8, 3) == [range(0, 8)]
 
 
 def test_serving_refuses_a_batch_beyond_free_memory(tmp_path, monkeypatch):
