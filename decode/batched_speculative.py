@@ -92,7 +92,7 @@ def serve(target: RaggedRunner, draft: RaggedRunner | None, prompts: list[list[i
         round_k = chooser.choose() if chooser is not None else k
         started = time.perf_counter()
         blocks = []
-        if draft is not None and round_k > 0:
+        if draft is not None:  # round_k = 0 verifies no guesses, and the draft follows what the target emits
             blocks = _speculative_round(target, draft, live, round_k, max_new_tokens, sampling, p_min)
         else:
             _target_round(target, live, sampling)
@@ -161,11 +161,11 @@ def _speculative_round(target: RaggedRunner, draft: RaggedRunner, live: list[_Ro
                                emitted=len(emitted), draft_forwards=len(guess))
         blocks.append((len(guess), accepted))
         keep_target.append(len(row.committed) - 1)
-        kept = min(held[i], before + accepted)  # the draft read committed text, then the guesses
-        keep_draft.append(kept)
-        row.pending = row.committed[kept:]
+        keep_draft.append(min(held[i], before + accepted))  # the draft read committed text, then the guesses
     target.truncate(torch.tensor(keep_target))
-    draft.truncate(torch.tensor(keep_draft))
+    draft.truncate(torch.tensor(keep_draft))  # a draft may keep less (a feature draft: what the target verified)
+    for row, kept in zip(live, draft.lengths.tolist()):
+        row.pending = row.committed[kept:]
     return blocks
 
 

@@ -227,3 +227,14 @@ def test_adaptive_k_counts_acceptance_per_depth():
     assert chooser.depth_acceptance(1) == pytest.approx(0.9, abs=0.01)
     assert chooser.depth_acceptance(2) == pytest.approx(0.1, abs=0.01)
     assert chooser.choose() == 1
+
+
+def test_rounds_without_guesses_keep_the_draft_in_step(pair, monkeypatch):
+    """After a round that drafts nothing (k = 0), the draft reads the token the target emitted before it
+    guesses again: a draft equal to the target then has every guess accepted."""
+    target = pair[0]
+    plan = iter([0, 2, 0, 0, 3] * 20)
+    monkeypatch.setattr(AdaptiveK, "choose", lambda self: next(plan))
+    outcomes = serve(RaggedRunner(target, 16), RaggedRunner(small_llama(seed=0, layers=2), 16), PROMPTS,
+                     batch_size=3, k=3, max_new_tokens=20, sampling=SamplingParams(), adaptive=True)
+    assert all(o.stats.proposed > 0 and o.stats.accepted == o.stats.proposed for o in outcomes)

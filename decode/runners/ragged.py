@@ -16,6 +16,8 @@ cache grows in CACHE_CHUNK steps only when the rows' texts themselves need it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -84,6 +86,38 @@ class RaggedCache:
         self.valid[:, :length] = torch.arange(length, device=count.device)[None, :] < count[:, None]
         self.length = length
 
+    def feed(self, rows: torch.Tensor, counts: torch.Tensor, width: int) -> tuple[torch.Tensor, tuple]:
+        """Slots for a forward of `width` tokens per row to cache rows `rows`, row i's first counts[i] real
+        (the rest padding, never attended). Returns the tokens' rotary positions [b, width] and the window
+        `attend` takes, and advances the rows past their real tokens."""
+        device = self.valid.device
+        slot0 = self.reserve(self.rows, width)
+        new = torch.arange(width, device=device)[None, :] < counts[:, None]  # [b, width] real tokens
+        positions = self.next_position[rows, None] + torch.arange(width, device=device)  # [b, width]
+        self.valid[rows, slot0 : slot0 + width] = new
+        # Query i of row r attends the row's valid slots up to its own; a padding query attends itself only.
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+        seen = self.valid[rows, None, : slot0 + width].expand(len(rows), width, slot0 + width).clone()  # [b, L, S]
+        seen[:, :, slot0:] &= causal
+        seen[:, torch.arange(width), slot0 + torch.arange(width)] |= ~new
+        self.next_position[rows] += counts
+        self.length = slot0 + width
+        return positions, (rows, slot0, seen[:, None])
+
+    def truncate(self, lengths: torch.Tensor) -> None:
+        """Row i keeps its first lengths[i] tokens (the slots after them stop counting)."""
+        lengths = lengths.to(self.valid.device)
+        self.valid &= self.valid.cumsum(-1) <= lengths[:, None]
+        self.next_position = torch.minimum(self.next_position, lengths)
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep only rows `rows`, in that order."""
+        rows = rows.to(self.valid.device)
+        for store in (self.keys, self.values):
+            for i, layer in enumerate(store):
+                store[i] = layer[rows]
+        self.valid, self.next_position = self.valid[rows], self.next_position[rows]
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window) -> torch.Tensor:
         """q [b, L, H, D], k and v [b, L, KV, D] -> [b, L, H D] for cache rows `rows` at slots slot0.."""
         rows, slot0, mask = window
@@ -99,15 +133,24 @@ class RaggedCache:
 
 class RaggedRunner:
     """Rows of different lengths over one `RaggedCache`. Logits are over the full vocabulary (a subset
-    draft's through VocabSubset.full_logits). Rows are cache rows: `keep` renumbers them."""
+    draft's through VocabSubset.full_logits). Rows are cache rows: `keep` renumbers them.
 
-    def __init__(self, model, vocab_size: int):
+    hidden_layers: layers whose outputs each forward keeps (a feature draft reads them): `hidden_states`
+    [b, L, len(hidden_layers), hidden] of the last forward, fed to cache rows `hidden_rows` from
+    positions `hidden_from` [b] on."""
+
+    def __init__(self, model, vocab_size: int, hidden_layers: Sequence[int] = ()):
         self.vocab_size = vocab_size
         self.subset = VocabSubset.of(model)
         head_rows = self.subset.head_rows if self.subset is not None else vocab_size
         self.core = LlamaCore(model, head_rows, lambda w, bias: CastProjection(w, bias, None))
         self.device = self.core.device
         self.max_length = getattr(model.config, "max_position_embeddings", None) or 10**9
+        self.hidden_layers = tuple(hidden_layers)
+        if any(not 0 <= i < len(self.core.layers) for i in self.hidden_layers):
+            raise ValueError(f"hidden_layers {self.hidden_layers} outside the model's {len(self.core.layers)} layers")
+        self.hidden_states: torch.Tensor | None = None
+        self.hidden_rows = self.hidden_from = torch.zeros(0, dtype=torch.long)
         self.reset()
 
     @property
@@ -141,21 +184,12 @@ class RaggedRunner:
         cache = self.cache
         rows = torch.arange(cache.rows, device=self.device) if rows is None else rows.to(self.device)
         tokens, counts = tokens.to(self.device), counts.to(self.device)
-        b, L = tokens.shape
-        slot0 = cache.reserve(cache.rows, L)
-        new = torch.arange(L, device=self.device)[None, :] < counts[:, None]  # [b, L] real tokens
-        positions = cache.next_position[rows, None] + torch.arange(L, device=self.device)  # [b, L]
-        cache.valid[rows, slot0 : slot0 + L] = new
-        # Query i of row r attends the row's valid slots up to its own; a padding query attends itself only.
-        causal = torch.ones(L, L, dtype=torch.bool, device=self.device).tril()
-        seen = cache.valid[rows, None, : slot0 + L].expand(b, L, slot0 + L).clone()  # [b, L, S]
-        seen[:, :, slot0:] &= causal
-        seen[:, torch.arange(L), slot0 + torch.arange(L)] |= ~new
+        start = cache.next_position[rows].clone()
+        positions, window = cache.feed(rows, counts, tokens.shape[1])
         ids = tokens if self.subset is None else self.subset.rows(tokens)
-        x, _ = self.core.decoder_layers(ids, positions, cache,
-                                        (rows, slot0, seen[:, None]))
-        cache.next_position[rows] += counts
-        cache.length = slot0 + L
+        x, kept = self.core.decoder_layers(ids, positions, cache, window, self.hidden_layers)
+        if kept:
+            self.hidden_states, self.hidden_rows, self.hidden_from = torch.stack(kept, dim=2), rows, start
         if not logits:
             return None
         out = self.core.logits(self.core.norm(x))  # [b, L, head rows]
@@ -164,17 +198,9 @@ class RaggedRunner:
     @torch.inference_mode()
     def truncate(self, lengths: torch.Tensor) -> None:
         """Row i keeps its first lengths[i] tokens (the slots after them stop counting)."""
-        cache = self.cache
-        lengths = lengths.to(self.device)
-        cache.valid &= cache.valid.cumsum(-1) <= lengths[:, None]
-        cache.next_position = torch.minimum(cache.next_position, lengths)
+        self.cache.truncate(lengths)
 
     @torch.inference_mode()
     def keep(self, rows: torch.Tensor) -> None:
         """Keep only cache rows `rows`, in that order (finished rows stop costing compute)."""
-        cache = self.cache
-        rows = rows.to(self.device)
-        for store in (cache.keys, cache.values):
-            for i, layer in enumerate(store):
-                store[i] = layer[rows]
-        cache.valid, cache.next_position = cache.valid[rows], cache.next_position[rows]
+        self.cache.keep(rows)
