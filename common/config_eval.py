@@ -48,8 +48,8 @@ class EvalConfig:
     (EAGLE-2: expand the most probable nodes, keep the most probable `nodes`; nodes=auto: per tree, the
     size and depth the measured cost model predicts fastest). Empty: chains only."""
     serving_batches: list[int] = field(default_factory=list)
-    """Batch sizes of the serving table (decode/serving.py): target-only and the standalone draft at each
-    k of eval.ks, with continuous batching, on the first prompt set's prompts; [] = none."""
+    """Batch sizes of the serving table (decode/serving.py): target-only and each draft measured (standalone,
+    feature) at each k of eval.ks, with continuous batching, on the first prompt set's prompts; [] = none."""
     serving_requests: int = 0
     """Requests decoded per batch size (the prompts repeated): at least twice the batch size."""
     serving_p_min: float = 0.0

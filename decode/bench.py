@@ -111,9 +111,6 @@ def draft_refs(cfg: Config) -> tuple[str | None, str | None]:
         standalone, feature, key = cfg.draft, cfg.eval.feature_draft, "eval.feature_draft"
     if feature is not None and (problem := feature_draft_problem(feature)):
         raise ConfigError(f"{key}: {problem}")
-    if cfg.eval.serving_batches and standalone is None:
-        raise ConfigError("eval.serving_batches measures batched decoding with a standalone draft; `draft` is a "
-                          "feature draft (batched feature drafting is not built yet): leave serving_batches empty")
     return standalone, feature
 
 
@@ -166,8 +163,10 @@ def setup(cfg: Config) -> Setup:
         proposers["feature"] = make_feature_proposer(feature_runner, feature, embeddings)
         if ev.lookup_ngram:
             proposers["feature+lookup"] = make_feature_proposer(feature_runner, feature, embeddings, ev.lookup_ngram)
-    if draft is not None:
-        check_serving_memory(ev, [len(p.token_ids) for p in next(iter(prompt_sets.values()))], [target, draft])
+    # Serving holds a target cache and the standalone draft's, and a second target cache for the feature draft
+    # (its own one-layer cache is small beside it).
+    served = [target] + ([draft] if draft is not None else []) + ([target] if feature is not None else [])
+    check_serving_memory(ev, [len(p.token_ids) for p in next(iter(prompt_sets.values()))], served)
     trees = [parse_tree(spec) for spec in ev.trees]
     tree_proposers, tree_runner = {}, None
     if trees and draft_runner is not None:

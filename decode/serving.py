@@ -2,8 +2,9 @@
 
 For each batch size of eval.serving_batches and each temperature: the first prompt set's prompts, repeated
 to make eval.serving_requests requests (at least twice the batch), decoded with continuous batching by
-target-only decoding, by the standalone draft at each k of eval.ks (and with eval.serving_p_min when
-set) and with k chosen per round ("draft auto"), on the same runners, the methods taking turns on groups
+target-only decoding, by each draft measured (the standalone draft, "draft", and the feature draft,
+"feature", decode/drafts/feature/ragged.py) at each k of eval.ks (the standalone one also with
+eval.serving_p_min when set) and with k chosen per round ("... auto"), the methods taking turns on groups
 of requests (SERVING_GROUPS). Each row: tokens/s over all requests, speedup over target-only at the same
 batch size, τ, the mean time from a request joining to its last token, and
 whether every greedy row equals batch-1 target-only decoding.
@@ -22,17 +23,22 @@ import torch
 from common.config import ConfigError
 from common.sampling import SamplingParams
 from decode.batched_speculative import AdaptiveK, serve
+from decode.drafts.feature.ragged import RaggedFeatureDrafter
 from decode.runners.ragged import RaggedRunner
 from decode.stats import SpeculativeStats
 from decode.vocab import model_vocab_size
 
 
-def serving_methods(ks: list[int], p_min: float) -> list[tuple[str, int, float, bool]]:
-    """(name, k, p_min, adaptive) of every row measured at a batch size: target-only first, "draft auto"
-    (k chosen per round up to the largest k, decode/batched_speculative.py) last."""
-    methods = [("target-only", 0, 0.0, False)] + [("draft", k, 0.0, False) for k in ks]
-    methods += [("draft p_min", k, p_min, False) for k in ks] if p_min else []
-    return methods + [("draft auto", max(ks), 0.0, True)]
+def serving_methods(ks: list[int], p_min: float, kinds: list[str]) -> list[tuple[str, str | None, int, float, bool]]:
+    """(name, draft kind, k, p_min, adaptive) of every row measured at a batch size: target-only first, then per
+    draft kind ("draft", "feature") each k and "<kind> auto" (k chosen per round up to the largest k,
+    decode/batched_speculative.py)."""
+    methods: list[tuple[str, str | None, int, float, bool]] = [("target-only", None, 0, 0.0, False)]
+    for kind in kinds:
+        methods += [(kind, kind, k, 0.0, False) for k in ks]
+        methods += [(f"{kind} p_min", kind, k, p_min, False) for k in ks] if p_min and kind == "draft" else []
+        methods.append((f"{kind} auto", kind, max(ks), 0.0, True))
+    return methods
 
 
 SERVING_GROUPS = 4
@@ -47,27 +53,41 @@ def request_groups(n_requests: int, batch: int) -> list[range]:
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
+def serving_runners(s) -> dict[str | None, tuple[RaggedRunner, object | None]]:
+    """(target runner, draft runner) by draft kind (None: target-only) for `s` (decode.bench.Setup). The feature
+    draft verifies on a target runner of its own, which keeps the hidden states it reads."""
+    vocab = model_vocab_size(s.target)
+    target = RaggedRunner(s.target, vocab)
+    out: dict[str | None, tuple[RaggedRunner, object | None]] = {None: (target, None)}
+    if s.draft is not None:
+        out["draft"] = (target, RaggedRunner(s.draft, vocab))
+    if s.feature is not None:
+        feature_target = RaggedRunner(s.target, vocab, hidden_layers=s.feature.config.target_layers)
+        out["feature"] = (feature_target, RaggedFeatureDrafter(feature_target, s.feature,
+                                                               s.target.get_input_embeddings().weight))
+    return out
+
+
 def measure_serving(s, greedy_tokens: dict[tuple[str, str], list[int]]) -> list[dict]:
     """The serving rows of `s` (decode.bench.Setup); greedy_tokens: batch-1 target-only greedy outputs."""
     ev = s.cfg.eval
-    vocab = model_vocab_size(s.target)
-    target, draft = RaggedRunner(s.target, vocab), RaggedRunner(s.draft, vocab)
+    runners = serving_runners(s)
     set_name, prompts = next(iter(s.prompt_sets.items()))
-    methods = serving_methods(ev.ks, ev.serving_p_min)
+    methods = serving_methods(ev.ks, ev.serving_p_min, [kind for kind in runners if kind])
     rows = []
     for batch in ev.serving_batches:
         requests = [prompts[i % len(prompts)] for i in range(max(ev.serving_requests, 2 * batch))]
         for temperature in ev.temperatures:
             sampling = SamplingParams(temperature, ev.top_k, ev.top_p)
             runs: list[list[dict]] = [[] for _ in methods]
-            choosers = [AdaptiveK(k) if adaptive else False for _, k, _, adaptive in methods]
+            choosers = [AdaptiveK(k) if adaptive else False for _, _, k, _, adaptive in methods]
             for g, group in enumerate(request_groups(len(requests), batch)):
                 for i in [*range(g % len(methods), len(methods)), *range(g % len(methods))]:
-                    _, k, p_min, _ = methods[i]
-                    runs[i].append(_timed_serve(s, target, draft if k else None, requests, group, batch, k, p_min,
-                                                choosers[i], sampling))
+                    _, kind, k, p_min, _ = methods[i]
+                    runs[i].append(_timed_serve(s, *runners[kind], requests, group, batch, k, p_min, choosers[i],
+                                                sampling))
             baseline = None
-            for (name, k, p_min, _), method_runs in zip(methods, runs):
+            for (name, _, k, p_min, _), method_runs in zip(methods, runs):
                 row = _merged(method_runs)
                 row.update(prompt_set=set_name, batch=batch, temperature=temperature, method=name, k=k, p_min=p_min)
                 outputs = row.pop("outputs")
@@ -100,7 +120,7 @@ def check_serving_memory(ev, prompt_lengths: list[int], models: list[torch.nn.Mo
                           "use smaller batch sizes or fewer eval.max_new_tokens")
 
 
-def _timed_serve(s, target: RaggedRunner, draft: RaggedRunner | None, requests: list, group: range, batch: int,
+def _timed_serve(s, target: RaggedRunner, draft, requests: list, group: range, batch: int,
                  k: int, p_min: float, adaptive: bool | AdaptiveK, sampling: SamplingParams) -> dict:
     ev = s.cfg.eval
     # Request i's generator depends on the request, so each method samples every request alike.

@@ -63,6 +63,17 @@ def test_a_feature_draft_alone(tmp_path, feature_folder, one_thread):
     assert all(r["greedy_identical"] for r in report["results"])
 
 
+@pytest.mark.parametrize("drafts, kinds", [(("draft=tiny:draft", "eval.feature_draft={}"), ("draft", "feature")),
+                                           (("draft={}",), ("feature",))])
+def test_serving_table_with_the_feature_draft(tmp_path, feature_folder, one_thread, drafts, kinds):
+    report = eval_speedup(tmp_path, *(d.format(feature_folder) for d in drafts), "eval.temperatures=[0.0]",
+                          "eval.serving_batches=[2]", "eval.serving_requests=4")
+    rows = {r["method"]: r for r in report["serving"]["rows"]}
+    assert set(rows) == {"target-only"} | {m for kind in kinds for m in (kind, f"{kind} auto")}
+    assert all(r["greedy_identical"] and r["requests"] == 4 and r["tokens"] > 0 for r in rows.values())
+    assert rows["feature"]["k"] == 2 and 1.0 <= rows["feature"]["tau"] <= 3.0
+
+
 def no_model_loads(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the input was checked")

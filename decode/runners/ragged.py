@@ -202,5 +202,7 @@ class RaggedRunner:
 
     @torch.inference_mode()
     def keep(self, rows: torch.Tensor) -> None:
-        """Keep only cache rows `rows`, in that order (finished rows stop costing compute)."""
+        """Keep only cache rows `rows`, in that order (finished rows stop costing compute). The last forward's
+        hidden states are dropped: their row numbers no longer hold."""
         self.cache.keep(rows)
+        self.hidden_states = None
