@@ -78,6 +78,9 @@ def test_projection_layouts_compute_x_times_w_transposed(layouts, with_bias):
         assert got.shape == (m, 300) and got.is_contiguous()
         expected = x @ w.T if bias is None else x @ w.T + bias
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    rows = torch.randn(3, 4, 576, generator=gen)  # batched rows [b, L, in]: one matmul of b * L rows
+    expected = rows @ w.T if bias is None else rows @ w.T + bias
+    torch.testing.assert_close(proj(rows), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_projection_keeps_the_layout_measured_fastest(monkeypatch):

@@ -103,7 +103,9 @@ class Projection:
             self.packed = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, in] -> contiguous [M, out]."""
+        """x [..., in] -> contiguous [..., out] (the rows of every leading dimension together: M)."""
+        if x.dim() != 2:
+            return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
         return self.run(self.layouts[min(bisect.bisect_left(TIMED_ROWS, x.shape[0]), len(TIMED_ROWS) - 1)], x)
 
     def run(self, layout: str, x: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from decode.runners.lean import CACHE_CHUNK
 from decode.runners.llama import LlamaCore
-from decode.runners.projection import CastProjection
+from decode.runners.projection import Projection, tune_layouts
 from decode.vocab import VocabSubset
 
 
@@ -143,7 +143,12 @@ class RaggedRunner:
         self.vocab_size = vocab_size
         self.subset = VocabSubset.of(model)
         head_rows = self.subset.head_rows if self.subset is not None else vocab_size
-        self.core = LlamaCore(model, head_rows, lambda w, bias: CastProjection(w, bias, None))
+        # The layout of each weight's matmul per row count, timed as the batch-1 runner's are: a verification
+        # feeds a few rows per request, where F.linear is slow on some CPUs (decode/runners/projection.py).
+        weight = next(model.parameters())
+        cpu_fp32 = weight.device.type == "cpu" and weight.dtype == torch.float32
+        self.core = LlamaCore(model, head_rows, lambda w, bias: Projection(w, bias, cpu_fp32))
+        tune_layouts(self.core.projections())
         self.device = self.core.device
         self.max_length = getattr(model.config, "max_position_embeddings", None) or 10**9
         self.hidden_layers = tuple(hidden_layers)

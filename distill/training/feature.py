@@ -31,6 +31,7 @@ from distill.training.feature_stored import StoredFeatures, StoredFeatureTeacher
 from distill.training.feature_target import TargetIdentity, target_config
 from distill.training.feature_teacher import FeatureTeacher, step_masks
 from distill.training.recipe import DistillRecipe
+from distill.training.vocab_choice import choose_subset
 
 
 class UnrolledFeatureDraft(nn.Module):
@@ -87,7 +88,9 @@ class FeatureRecipe(DistillRecipe):
         dc = self.dc
         draft_config, shape = choose_feature_shape(target.config, param_count(target), dc.param_ratio, self.layers,
                                                    dc.vocab_subset, dc.feature_intermediate_size)
-        self.subset = self.choose_subset(target, shape.head_rows)
+        # A feature draft's head has no "other" row to spread (distill.spread_other does not apply).
+        self.subset = choose_subset(target, self.tokenizer, self.train_set, self.eval_set, shape.head_rows, False,
+                                    self.say)
         draft = build_feature_draft(target, draft_config, self.subset.ids, dc.embed_init, self.config.seed)
         self.draft = UnrolledFeatureDraft(draft)
         self.say(shape.describe(param_count(target), target.config.hidden_size, target.config.num_hidden_layers))

@@ -24,10 +24,10 @@ from common.config import config_to_dict
 from common.models import check_tokenizers, load_model, load_tokenizer, param_count, resolve_device
 from common.precision import resolve_dtype
 from common.progress import expectation
-from decode.drafts.standalone.build import build_pretrained_draft, build_scratch_draft, select_vocab
+from decode.drafts.standalone.build import build_pretrained_draft, build_scratch_draft
 from decode.vocab import VocabSubset
 from distill.checkpoint import TrainState, latest_checkpoint, load_newest_loadable, save_checkpoint
-from distill.data import StepSampler, collate, load_examples, token_counts
+from distill.data import StepSampler, collate, load_examples
 from distill.export.hf import copy_hf, export_hf
 from distill.losses import kl_per_token, mixed_loss
 from distill.training.accelerator import make_accelerator
@@ -36,6 +36,7 @@ from distill.training.optimizer import make_optimizer
 from distill.training.resume import check_resumable
 from distill.training.run_log import RunLogger
 from distill.training.teacher import Teacher, draft_logits
+from distill.training.vocab_choice import choose_subset
 
 
 class NonFiniteError(RuntimeError):
@@ -136,7 +137,8 @@ class DistillRecipe:
     def setup_draft(self, target) -> None:
         dc = self.dc
         if dc.init == "scratch":
-            subset = self.choose_subset(target, dc.vocab_subset) if dc.vocab_subset else None
+            subset = choose_subset(target, self.tokenizer, self.train_set, self.eval_set, dc.vocab_subset,
+                                   dc.spread_other, self.say) if dc.vocab_subset else None
             self.draft, shape = build_scratch_draft(target, dc.param_ratio, dc.num_layers, subset, dc.embed_init,
                                                     self.config.seed)
             self.say(f"draft: {shape.num_layers} layers, hidden {shape.hidden_size}, mlp {shape.intermediate_size}, "
@@ -149,20 +151,6 @@ class DistillRecipe:
             trainable = sum(p.numel() for p in self.draft.parameters() if p.requires_grad)
             self.say(f"draft: {dc.init} ({param_count(self.draft) / 1e6:.2f}M params, "
                      f"{trainable / 1e6:.2f}M trainable)")
-
-    def choose_subset(self, target, size: int) -> VocabSubset:
-        """The `size` most frequent tokens of the training data, special tokens included."""
-        full_vocab = target.get_input_embeddings().weight.shape[0]
-        special = [i for i in self.tokenizer.all_special_ids if i < full_vocab]
-        ids = select_vocab(token_counts(self.train_set, full_vocab), size, special + [target.config.eos_token_id])
-        # A feature draft's head has no "other" row to spread (distill.spread_other is ignored there).
-        spread = self.dc.spread_other and self.dc.draft_kind == "standalone"
-        subset = VocabSubset(ids, full_vocab, spread_other=spread)
-        held = [t for ex in self.eval_set for t in ex.ids[ex.n_prompt:].tolist()]
-        if held:
-            covered = float((subset.output_rows[torch.tensor(held)] >= 0).float().mean())
-            self.say(f"vocab subset: {subset.size} tokens cover {covered:.1%} of held-out completion tokens")
-        return subset
 
     def setup_teacher(self, target) -> None:
         teacher_model = None
