@@ -86,23 +86,25 @@ class RaggedCache:
         self.valid[:, :length] = torch.arange(length, device=count.device)[None, :] < count[:, None]
         self.length = length
 
-    def feed(self, rows: torch.Tensor, counts: torch.Tensor, width: int) -> tuple[torch.Tensor, tuple]:
-        """Slots for a forward of `width` tokens per row to cache rows `rows`, row i's first counts[i] real
-        (the rest padding, never attended). Returns the tokens' rotary positions [b, width] and the window
-        `attend` takes, and advances the rows past their real tokens."""
+    def feed(self, rows: torch.Tensor | None, counts: torch.Tensor, width: int) -> tuple[torch.Tensor, tuple]:
+        """Slots for a forward of `width` tokens per row to cache rows `rows` (None: every row, in order),
+        row i's first counts[i] real (the rest padding, never attended). Returns the tokens' rotary positions
+        [b, width] and the window `attend` takes, and advances the rows past their real tokens."""
         device = self.valid.device
         slot0 = self.reserve(self.rows, width)
+        # Every row: a slice, so attention reads and writes the cache in place instead of gathering copies.
+        index = slice(None) if rows is None else rows
         new = torch.arange(width, device=device)[None, :] < counts[:, None]  # [b, width] real tokens
-        positions = self.next_position[rows, None] + torch.arange(width, device=device)  # [b, width]
-        self.valid[rows, slot0 : slot0 + width] = new
+        positions = self.next_position[index, None] + torch.arange(width, device=device)  # [b, width]
+        self.valid[index, slot0 : slot0 + width] = new
         # Query i of row r attends the row's valid slots up to its own; a padding query attends itself only.
         causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-        seen = self.valid[rows, None, : slot0 + width].expand(len(rows), width, slot0 + width).clone()  # [b, L, S]
+        seen = self.valid[index, None, : slot0 + width].expand(len(new), width, slot0 + width).clone()  # [b, L, S]
         seen[:, :, slot0:] &= causal
         seen[:, torch.arange(width), slot0 + torch.arange(width)] |= ~new
-        self.next_position[rows] += counts
+        self.next_position[index] += counts
         self.length = slot0 + width
-        return positions, (rows, slot0, seen[:, None])
+        return positions, (index, slot0, seen[:, None])
 
     def truncate(self, lengths: torch.Tensor) -> None:
         """Row i keeps its first lengths[i] tokens (the slots after them stop counting)."""
@@ -187,14 +189,15 @@ class RaggedRunner:
         """Feed tokens [b, L] to cache rows `rows` (default all), row i's first counts[i] of them (the rest
         are padding, never attended). Returns fp32 logits [b, L, vocab_size] (rows of padding: garbage)."""
         cache = self.cache
-        rows = torch.arange(cache.rows, device=self.device) if rows is None else rows.to(self.device)
+        rows = None if rows is None else rows.to(self.device)
         tokens, counts = tokens.to(self.device), counts.to(self.device)
-        start = cache.next_position[rows].clone()
+        fed = torch.arange(cache.rows, device=self.device) if rows is None else rows
+        start = cache.next_position[fed].clone()
         positions, window = cache.feed(rows, counts, tokens.shape[1])
         ids = tokens if self.subset is None else self.subset.rows(tokens)
         x, kept = self.core.decoder_layers(ids, positions, cache, window, self.hidden_layers)
         if kept:
-            self.hidden_states, self.hidden_rows, self.hidden_from = torch.stack(kept, dim=2), rows, start
+            self.hidden_states, self.hidden_rows, self.hidden_from = torch.stack(kept, dim=2), fed, start
         if not logits:
             return None
         out = self.core.logits(self.core.norm(x))  # [b, L, head rows]

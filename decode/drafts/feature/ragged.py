@@ -107,7 +107,7 @@ class RaggedFeatureDrafter:
         """Read tokens [b, L], row i's first counts[i] of them. Returns fp32 logits [b, L, vocab]: at each
         read token, the draft's prediction of the next one (a row's first token, which has no position:
         0 over the head rows)."""
-        rows = torch.arange(len(self.pending)) if rows is None else rows
+        every_row, rows = rows is None, torch.arange(len(self.pending)) if rows is None else rows
         b, width = tokens.shape
         positions_fed = counts - ((self.tokens[rows] == 0) & (counts > 0)).long()  # a row's first token has none
         hidden = torch.zeros(b, width, self.draft.config.hidden_size, dtype=self.shape.dtype, device=self.shape.device)
@@ -119,7 +119,7 @@ class RaggedFeatureDrafter:
             start = int(counts[i]) - n
             embed_ids[i, :n] = tokens[i, start : start + n]
             hidden[i, :n] = self._hidden_for(row, n)
-        positions, window = self.cache.feed(rows, positions_fed, width)
+        positions, window = self.cache.feed(None if every_row else rows, positions_fed, width)
         cos, sin = self.cache.rope.at(positions)
         embeds = self.embeddings[embed_ids.to(self.embeddings.device)].to(self.shape.dtype)
         q, k, v = self.draft.qkv(hidden, embeds, cos, sin)
