@@ -13,7 +13,8 @@ decoding at the same batch size: the baseline a serving speedup is measured agai
 
 adaptive=True makes k a maximum: each round drafts the k (0..k, 0: none) of the most expected tokens
 per second, from the acceptance so far at each depth and the wall time of the rounds run with that k,
-timed on the rounds themselves, so measuring costs no forwards of its own (`AdaptiveK`).
+timed on the rounds themselves, so measuring costs no forwards of its own (`AdaptiveK`); an
+AdaptiveK(k, p_mins=...) also weighs drafting up to k with each p_min (rows stop where the draft is unsure).
 
 The invariants, per row: the target holds its committed text but the last token; the draft holds a
 prefix of committed + drafted text (`pending`: the committed tokens it has not read yet).
@@ -72,7 +73,8 @@ def serve(target: RaggedRunner, draft: RaggedRunner | None, prompts: list[list[i
           generators: list[torch.Generator | None] | None = None, p_min: float = 0.0,
           adaptive: bool | AdaptiveK = False) -> list[RowOutcome]:
     """Decode every prompt, `batch_size` at a time; outcomes in prompt order. adaptive: True, or an
-    AdaptiveK(k) to keep across calls (what it measured carries over, as in a server that keeps running)."""
+    AdaptiveK(k) to keep across calls (what it measured carries over, as in a server that keeps running);
+    its rounds' p_min replaces `p_min`."""
     check_serving(batch_size, k if draft is not None else 0, p_min)
     eos = eos_set(eos_token_id)
     generators = generators or [None] * len(prompts)
@@ -89,15 +91,16 @@ def serve(target: RaggedRunner, draft: RaggedRunner | None, prompts: list[list[i
         joining = [queue.pop(0) for _ in range(min(batch_size - len(live), len(queue)))]
         if joining:
             live += _join(target, draft, prompts, joining, generators, max(k, 1))
-        round_k = chooser.choose() if chooser is not None else k
+        arm = chooser.choose() if chooser is not None else None
+        round_k, round_p_min = chooser.arms[arm] if chooser is not None else (k, p_min)
         started = time.perf_counter()
         blocks = []
         if draft is not None:  # round_k = 0 verifies no guesses, and the draft follows what the target emits
-            blocks = _speculative_round(target, draft, live, round_k, max_new_tokens, sampling, p_min)
+            blocks = _speculative_round(target, draft, live, round_k, max_new_tokens, sampling, round_p_min)
         else:
             _target_round(target, live, sampling)
         if chooser is not None:
-            chooser.observe(round_k, time.perf_counter() - started, blocks)
+            chooser.observe(arm, time.perf_counter() - started, blocks)
         finished = [i for i, row in enumerate(live) if row.produced >= max_new_tokens
                     or cut_at_eos(row.committed[row.prompt_len:], eos)[1]]
         for i in finished:
@@ -204,36 +207,47 @@ def _draft(draft: RaggedRunner, live: list[_Row], limits: list[int], sampling: S
 
 
 class AdaptiveK:
-    """The k of each round (0: no drafting) from what rounds with each k took and the acceptance so far.
+    """The k of each round (0: no drafting), and optionally a p_min, from what rounds with each took and the
+    acceptance so far.
 
-    A k's cost is the wall time of its rounds (the median of its last TIMED rounds, so a round the OS
-    interrupted does not stick): the draft forwards, the verification of k + 1 tokens per row at this
-    batch size, and the host work per row (acceptance, sampling, bookkeeping), all of it measured on
-    rounds that decode, so knowing the costs takes no forwards of its own. The first rounds run every k
-    three times (a k's first round is not timed: the first calls at a new shape allocate); after that
-    each round runs the k of the most expected tokens per second, and every EXPLORE_EVERY rounds a
-    neighbour of it (one more or one fewer, the one timed longer ago) instead, so the costs near the
-    choice follow the machine and the batch. A round is worth the expected tokens per
-    row, 1 + sum over j <= k of α_1 ... α_j, with α_j the acceptance of the guess at depth j once the
-    j - 1 before it were accepted, counted per depth: acceptance is not the same at every depth (the
-    demo's draft at k = 4: 0.38 at depth 1, 0.41-0.55 at depths 2-4), and one α pooled over depths
-    misprices each k by the depths it does not reach."""
+    The choices are `arms`, (k, p_min) pairs: arm i <= k_max drafts k = i guesses; the arms after them draft
+    up to k_max guesses, each row stopping after a guess its draft gave less than p_min (one arm per value
+    of `p_mins`), so the length follows the draft's confidence row by row, which no fixed k does.
+    An arm's cost is the wall time of its rounds (the median of its last TIMED rounds, so a round the OS
+    interrupted does not stick): the draft forwards, the verification of the guesses at this batch size,
+    and the host work per row (acceptance, sampling, bookkeeping), all of it measured on rounds that
+    decode, so knowing the costs takes no forwards of its own. The first rounds run every arm three times
+    (an arm's first round is not timed: the first calls at a new shape allocate); after that each round
+    runs the arm of the most expected tokens per second, and every EXPLORE_EVERY rounds a neighbour of it
+    in `arms` (the one timed longer ago) instead, so the costs near the choice follow the machine and the
+    batch. A fixed-k round is worth the expected tokens per row, 1 + sum over j <= k of α_1 ... α_j, with
+    α_j the acceptance of the guess at depth j once the j - 1 before it were accepted, counted per depth
+    on fixed-k rounds: acceptance is not the same at every depth (the demo's draft at k = 4: 0.38 at depth
+    1, 0.41-0.55 at depths 2-4), and one α pooled over depths misprices each k by the depths it does not
+    reach. A p_min round is worth the tokens its rows emitted per round so far (its guesses stop where the
+    draft is unsure, so its depths are not a fair sample of the per-depth acceptance)."""
 
     PRIOR = (1, 2)
     """Acceptance before any block: 1 of 2 guesses, worth two guesses of evidence."""
     DEPTH_PRIOR_WEIGHT = 2
     """A depth's α starts at the acceptance pooled over all depths, worth this many tests of that depth."""
+    P_MIN_PRIOR_ROWS = 4
+    """A p_min arm's tokens per row start at k_max's expected tokens, worth this many rows' rounds."""
     EXPLORE_EVERY = 16
     TIMED = 8
-    """A k's cost is the median of its last this many timed rounds."""
+    """An arm's cost is the median of its last this many timed rounds."""
 
-    def __init__(self, k_max: int):
+    def __init__(self, k_max: int, p_mins: tuple[float, ...] = ()):
+        if any(not 0 < p < 1 for p in p_mins):
+            raise ValueError(f"p_mins must lie in (0, 1), got {list(p_mins)}")
         self.k_max = k_max
+        self.arms = [(k, 0.0) for k in range(k_max + 1)] + [(k_max, p) for p in sorted(p_mins) if k_max > 0]
         self.accepted = [0] * (k_max + 1)  # [j]: guesses at depth j accepted (index 0 unused)
         self.tried = [0] * (k_max + 1)  # [j]: guesses at depth j tested (those before it all accepted)
-        self.timed: dict[int, deque[float]] = {k: deque(maxlen=self.TIMED) for k in range(k_max + 1)}
-        self.runs = dict.fromkeys(range(k_max + 1), 0)
-        self.last_used = dict.fromkeys(range(k_max + 1), 0)
+        self.emitted = [[0, 0] for _ in self.arms]  # [arm]: (tokens emitted, rows' rounds) on p_min arms
+        self.timed: dict[int, deque[float]] = {i: deque(maxlen=self.TIMED) for i in range(len(self.arms))}
+        self.runs = dict.fromkeys(range(len(self.arms)), 0)
+        self.last_used = dict.fromkeys(range(len(self.arms)), 0)
         self.rounds = 0
 
     def depth_acceptance(self, depth: int) -> float:
@@ -242,34 +256,43 @@ class AdaptiveK:
         weight = self.DEPTH_PRIOR_WEIGHT
         return min((self.accepted[depth] + weight * pooled) / (self.tried[depth] + weight), 0.99)
 
-    def expected_tokens(self, k: int) -> float:
+    def expected_tokens(self, arm: int) -> float:
+        """Tokens per row a round of `arm` emits (arm <= k_max: k = arm)."""
+        if arm > self.k_max:
+            tokens, rows = self.emitted[arm]
+            weight = self.P_MIN_PRIOR_ROWS
+            return (tokens + weight * self.expected_tokens(self.k_max)) / (rows + weight)
         tokens = reach = 1.0
-        for depth in range(1, k + 1):
+        for depth in range(1, arm + 1):
             reach *= self.depth_acceptance(depth)  # the chance that the first `depth` guesses are accepted
             tokens += reach
         return tokens
 
-    def seconds(self, k: int) -> float:
-        return statistics.median(self.timed[k])
+    def seconds(self, arm: int) -> float:
+        return statistics.median(self.timed[arm])
 
     def choose(self) -> int:
+        """The arm of the next round: its (k, p_min) is arms[arm]."""
         self.rounds += 1
-        unmeasured = [k for k, times in self.timed.items() if len(times) < 2]
+        unmeasured = [arm for arm, times in self.timed.items() if len(times) < 2]
         if unmeasured:
             return unmeasured[0]
-        best = max(self.timed, key=lambda k: self.expected_tokens(k) / self.seconds(k))
+        best = max(self.timed, key=lambda arm: self.expected_tokens(arm) / self.seconds(arm))
         if self.rounds % self.EXPLORE_EVERY == 0:
-            neighbours = [k for k in (best - 1, best + 1) if k in self.timed]
+            neighbours = [arm for arm in (best - 1, best + 1) if arm in self.timed]
             return min(neighbours, key=self.last_used.get, default=best)
         return best
 
-    def observe(self, k: int, seconds: float, blocks: list[tuple[int, int]]) -> None:
-        """One round with k took `seconds`; `blocks`: each row's (guesses, accepted guesses)."""
-        for guesses, accepted in blocks:
+    def observe(self, arm: int, seconds: float, blocks: list[tuple[int, int]]) -> None:
+        """One round of `arm` took `seconds`; `blocks`: each row's (guesses, accepted guesses)."""
+        if arm > self.k_max:
+            self.emitted[arm][0] += sum(accepted + 1 for _, accepted in blocks)
+            self.emitted[arm][1] += len(blocks)
+        for guesses, accepted in blocks if arm <= self.k_max else ():
             for depth in range(1, min(guesses, accepted + 1) + 1):
                 self.tried[depth] += 1
                 self.accepted[depth] += depth <= accepted
-        self.runs[k] += 1
-        self.last_used[k] = self.rounds
-        if self.runs[k] > 1:
-            self.timed[k].append(seconds)
+        self.runs[arm] += 1
+        self.last_used[arm] = self.rounds
+        if self.runs[arm] > 1:
+            self.timed[arm].append(seconds)

@@ -3,8 +3,8 @@
 For each batch size of eval.serving_batches and each temperature: the first prompt set's prompts, repeated
 to make eval.serving_requests requests (at least twice the batch), decoded with continuous batching by
 target-only decoding, by each draft measured (the standalone draft, "draft", and the feature draft,
-"feature", decode/drafts/feature/ragged.py) at each k of eval.ks (the standalone one also with
-eval.serving_p_min when set) and with k chosen per round ("... auto"), the methods taking turns on groups
+"feature", decode/drafts/feature/ragged.py) at each k of eval.ks (also with eval.serving_p_min when
+set) and with k chosen per round ("... auto"), the methods taking turns on groups
 of requests (SERVING_GROUPS). Each row: tokens/s over all requests, speedup over target-only at the same
 batch size, τ, the mean time from a request joining to its last token, and
 whether every greedy row equals batch-1 target-only decoding.
@@ -36,9 +36,14 @@ def serving_methods(ks: list[int], p_min: float, kinds: list[str]) -> list[tuple
     methods: list[tuple[str, str | None, int, float, bool]] = [("target-only", None, 0, 0.0, False)]
     for kind in kinds:
         methods += [(kind, kind, k, 0.0, False) for k in ks]
-        methods += [(f"{kind} p_min", kind, k, p_min, False) for k in ks] if p_min and kind == "draft" else []
+        methods += [(f"{kind} p_min", kind, k, p_min, False) for k in ks] if p_min else []
         methods.append((f"{kind} auto", kind, max(ks), 0.0, True))
     return methods
+
+
+AUTO_P_MINS = (0.5, 0.7)
+"""The "auto" rows also weigh drafting up to the largest k with each of these p_min (decode/batched_speculative.py
+AdaptiveK): rows that stop where the draft is unsure can beat every fixed k (docs/results.md, "Serving")."""
 
 
 SERVING_GROUPS = 4
@@ -80,7 +85,7 @@ def measure_serving(s, greedy_tokens: dict[tuple[str, str], list[int]]) -> list[
         for temperature in ev.temperatures:
             sampling = SamplingParams(temperature, ev.top_k, ev.top_p)
             runs: list[list[dict]] = [[] for _ in methods]
-            choosers = [AdaptiveK(k) if adaptive else False for _, _, k, _, adaptive in methods]
+            choosers = [AdaptiveK(k, AUTO_P_MINS) if adaptive else False for _, _, k, _, adaptive in methods]
             for g, group in enumerate(request_groups(len(requests), batch)):
                 for i in [*range(g % len(methods), len(methods)), *range(g % len(methods))]:
                     _, kind, k, p_min, _ = methods[i]

@@ -238,3 +238,27 @@ def test_rounds_without_guesses_keep_the_draft_in_step(pair, monkeypatch):
     outcomes = serve(RaggedRunner(target, 16), RaggedRunner(small_llama(seed=0, layers=2), 16), PROMPTS,
                      batch_size=3, k=3, max_new_tokens=20, sampling=SamplingParams(), adaptive=True)
     assert all(o.stats.proposed > 0 and o.stats.accepted == o.stats.proposed for o in outcomes)
+
+
+def test_adaptive_k_weighs_p_min_arms_on_the_tokens_their_rounds_emit(pair):
+    chooser = AdaptiveK(3, p_mins=(0.7, 0.5))
+    assert chooser.arms == [(0, 0.0), (1, 0.0), (2, 0.0), (3, 0.0), (3, 0.5), (3, 0.7)]
+    for arm in range(len(chooser.arms)):  # the sweep: every arm three times
+        for _ in range(3):
+            assert chooser.choose() == arm
+            chooser.observe(arm, {4: 1.1}.get(arm, 1.0 + 0.1 * arm), [])
+    tried = chooser.tried[:]
+    chooser.observe(4, 1.1, [(3, 3), (1, 0), (2, 2)] * 10)  # 8 tokens per 3 rows in 1.1 s
+    assert chooser.tried == tried  # p_min rounds stop where the draft is unsure: not a per-depth sample
+    assert chooser.expected_tokens(4) == pytest.approx((80 + 4 * chooser.expected_tokens(3)) / 34)
+    assert chooser.choose() == 4
+    with pytest.raises(ValueError, match=r"p_mins must lie in \(0, 1\)"):
+        AdaptiveK(3, p_mins=(1.0,))
+    # Served: greedy rows still equal target-only decoding whichever arm each round takes.
+    target, draft = pair
+    outcomes = serve(RaggedRunner(target, 16), RaggedRunner(draft, 16), PROMPTS, batch_size=2, k=3,
+                     max_new_tokens=24, sampling=SamplingParams(), adaptive=AdaptiveK(3, p_mins=(0.5,)))
+    lean = make_runner(target, 16, "lean")
+    for prompt, outcome in zip(PROMPTS, outcomes):
+        assert outcome.tokens == target_decode(lean, torch.tensor([prompt]), max_new_tokens=24,
+                                               sampling=SamplingParams()).tolist()
