@@ -10,6 +10,9 @@ draft expanded by decode/vocab.py full_logits), meets the target's over the whol
   α at T       Σ_v min(p_T, q_T) with both tempered: the acceptance of speculative sampling at T
   greedy       P(argmax q = argmax p): the acceptance of greedy decoding
   τ(k)         (1 − α^(k+1)) / (1 − α), tokens per target forward at draft length k (i.i.d. α)
+  head mass    the target's mass (T = 1) on the tokens a subset draft has rows for, and `head greedy`
+               the share of the target's argmaxes among them (1 for a full-vocabulary draft): how much
+               a wider head could add (a spread "other" row covers the rest only uniformly)
 Contexts are the target's own completions (teacher-forced), as in decoding after each verification.
 """
 
@@ -44,7 +47,8 @@ def draft_full_logits(draft, batch: dict) -> torch.Tensor:
 def held_out_acceptance(target, drafts: dict[str, torch.nn.Module], batches, temperatures: list[float],
                         tau_k: int) -> dict[str, dict]:
     """{draft name: {'alpha_T<t>': …, 'greedy': …, 'tau_k<k>_T<t>': …, 'tau_k<k>_greedy': …, 'tokens': n}}."""
-    sums = {name: torch.zeros(len(temperatures) + 1, dtype=torch.float64) for name in drafts}
+    sums = {name: torch.zeros(len(temperatures) + 3, dtype=torch.float64) for name in drafts}
+    subsets = {name: VocabSubset.of(draft) for name, draft in drafts.items()}
     teacher = Teacher("online", None, target)
     tokens = 0
     for batch in batches:
@@ -56,14 +60,17 @@ def held_out_acceptance(target, drafts: dict[str, torch.nn.Module], batches, tem
             d, t = draft_logits[:, :vocab], target_logits[:, :vocab]
             accepted = [torch.minimum(torch.softmax(d / T, -1), torch.softmax(t / T, -1)).sum() for T in temperatures]
             accepted.append((d.argmax(-1) == t.argmax(-1)).sum())
+            ids = subsets[name].ids if subsets[name] is not None else torch.arange(vocab)
+            accepted.append(torch.softmax(t, -1)[:, ids].sum())
+            accepted.append(torch.isin(t.argmax(-1), ids).sum())
             sums[name] += torch.stack(accepted).double()
     results = {}
     for name, total in sums.items():
-        rates = (total / max(tokens, 1)).tolist()
+        *rates, head_mass, head_greedy = (total / max(tokens, 1)).tolist()
         labels = [f"T{T:g}" for T in temperatures] + ["greedy"]
         results[name] = {**{f"alpha_{label}": rate for label, rate in zip(labels, rates)},
                          **{f"tau_k{tau_k}_{label}": expected_tau(rate, tau_k) for label, rate in zip(labels, rates)},
-                         "tokens": tokens}
+                         "head_mass": head_mass, "head_greedy": head_greedy, "tokens": tokens}
     return results
 
 
@@ -78,11 +85,12 @@ def held_out_batches(config, tokenizer):
 
 def table(results: dict[str, dict], temperatures: list[float], tau_k: int) -> str:
     labels = [f"T{T:g}" for T in temperatures] + ["greedy"]
-    head = "| draft | " + " | ".join(f"α {label} | τ({tau_k}) {label}" for label in labels) + " |"
-    lines = [head, "|---" * (1 + 2 * len(labels)) + "|"]
+    columns = [f"α {label} | τ({tau_k}) {label}" for label in labels] + ["head mass", "head greedy"]
+    head = "| draft | " + " | ".join(columns) + " |"
+    lines = [head, "|---" * (3 + 2 * len(labels)) + "|"]
     for name, r in results.items():
         cells = [f"{r[f'alpha_{label}']:.4f} | {r[f'tau_k{tau_k}_{label}']:.3f}" for label in labels]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {r['head_mass']:.4f} | {r['head_greedy']:.4f} |")
     return "\n".join(lines)
 
 

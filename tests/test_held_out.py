@@ -39,6 +39,10 @@ def test_acceptance_is_the_overlap_of_the_two_full_distributions(tmp_path):
         assert results["subset"][f"alpha_T{T:g}"] == pytest.approx(float(expected), rel=1e-5)
     assert results["subset"]["tau_k4_T1"] == pytest.approx(expected_tau(results["subset"]["alpha_T1"], 4))
     assert results["subset"]["alpha_greedy"] == pytest.approx(float((q.argmax(-1) == p.argmax(-1)).float().mean()))
+    in_head = torch.tensor([1, 3, 4, 7, 9])  # the target's mass and argmaxes on the subset's tokens
+    assert results["subset"]["head_mass"] == pytest.approx(float(torch.softmax(p, -1)[:, in_head].sum(-1).mean()))
+    assert results["subset"]["head_greedy"] == pytest.approx(float(torch.isin(p.argmax(-1), in_head).float().mean()))
+    assert results["same"]["head_mass"] == pytest.approx(1.0) and results["same"]["head_greedy"] == 1.0
 
 
 def test_the_command_compares_drafts_on_the_held_out_rows_training_uses(tmp_path, capsys):
