@@ -54,7 +54,6 @@ class RaggedFeatureDrafter:
         c = draft.config
         self.shape = _CacheShape(c.num_key_value_heads, c.head_dim, (None,), weight.dtype, weight.device, draft)
         self.vocab_size = target.vocab_size
-        self.max_length = c.max_position_embeddings
         self.reset()
 
     def reset(self) -> None:
@@ -119,7 +118,8 @@ class RaggedFeatureDrafter:
             start = int(counts[i]) - n
             embed_ids[i, :n] = tokens[i, start : start + n]
             hidden[i, :n] = self._hidden_for(row, n)
-        positions, window = self.cache.feed(None if every_row else rows, positions_fed, width)
+        device = self.shape.device  # bookkeeping stays on the host; the cache is where the draft is
+        positions, window = self.cache.feed(None if every_row else rows.to(device), positions_fed.to(device), width)
         cos, sin = self.cache.rope.at(positions)
         embeds = self.embeddings[embed_ids.to(self.embeddings.device)].to(self.shape.dtype)
         q, k, v = self.draft.qkv(hidden, embeds, cos, sin)
