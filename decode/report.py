@@ -136,9 +136,9 @@ def serving_lines(serving: dict) -> list[str]:
                      f"{_fmt(r['tau'])} | {_fmt(r['mean_latency_s'])} | {same} |")
     lines.append("")
     for temperature, batch in serving["pays_up_to"].items():
-        lines.append(f"- T={temperature}: " + (f"the draft beats target-only up to batch {batch}; serve larger "
+        lines.append(f"- T={temperature}: " + (f"a draft row beats target-only up to batch {batch}; serve larger "
                                               "batches without speculation." if batch else
-                                              "the draft never beats target-only here; serve without speculation."))
+                                              "no draft row beats target-only here; serve without speculation."))
     return lines
 
 
