@@ -13,29 +13,14 @@ from decode.drafts.feature.ragged import RaggedFeatureDrafter
 from decode.runners import make_runner
 from decode.runners.ragged import RaggedRunner
 from decode.speculative import speculative_decode, target_decode
-from tests.conftest import random_feature_draft, small_llama
-from tests.test_feature_proposer import SUBSET_IDS, chi2_pvalue, feature_decoding, teach
+from tests.conftest import random_feature_draft
+# target and trained: the feature proposer tests' fixtures (a tiny target, a draft taught it to ~50% acceptance)
+from tests.test_feature_proposer import SUBSET_IDS, chi2_pvalue, feature_decoding, target, trained  # noqa: F401
 
 
 # Of different lengths, one of a single token (no draft position before the target's first forward).
 PROMPTS = [[0, 3, 7, 2, 9], [5], [4, 4, 8], [2, 9, 3, 7, 2, 9, 3], [6, 1, 0, 12], [7, 7]]
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def target():
-    return small_llama(seed=0, layers=2)
-
-
-@pytest.fixture(scope="module")
-def trained(target):
-    """A feature draft taught the target (~50% greedy acceptance): long acceptances and bonus tokens occur."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return teach(target, random_feature_draft(target, init_std=0.1))
-    finally:
-        torch.set_num_threads(threads)
 
 
 def runners(target, draft):

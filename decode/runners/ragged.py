@@ -191,13 +191,14 @@ class RaggedRunner:
         cache = self.cache
         rows = None if rows is None else rows.to(self.device)
         tokens, counts = tokens.to(self.device), counts.to(self.device)
-        fed = torch.arange(cache.rows, device=self.device) if rows is None else rows
-        start = cache.next_position[fed].clone()
+        if self.hidden_layers:  # which rows, from which positions, the kept states belong to
+            fed = torch.arange(cache.rows, device=self.device) if rows is None else rows
+            self.hidden_rows, self.hidden_from = fed, cache.next_position[fed].clone()
         positions, window = cache.feed(rows, counts, tokens.shape[1])
         ids = tokens if self.subset is None else self.subset.rows(tokens)
         x, kept = self.core.decoder_layers(ids, positions, cache, window, self.hidden_layers)
         if kept:
-            self.hidden_states, self.hidden_rows, self.hidden_from = torch.stack(kept, dim=2), fed, start
+            self.hidden_states = torch.stack(kept, dim=2)
         if not logits:
             return None
         out = self.core.logits(self.core.norm(x))  # [b, L, head rows]
