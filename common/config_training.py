@@ -39,7 +39,7 @@ class GenerateConfig:
     """'generate' samples completions; 'score' runs the target teacher-forced over existing text."""
     sources: list[str] = field(default_factory=lambda: ["embedded"])
     """Prompt sources: 'embedded' (wheel-shipped chat/math/writing prompts), 'persistbench', 'freshqa',
-    'writingbench', 'gsm8k', 'humaneval', a local .jsonl/.parquet/.csv file, or 'hf:<dataset name>'.
+    'writingbench', 'gsm8k', 'humaneval', 'gpqa', a local .jsonl/.parquet/.csv file, or 'hf:<dataset name>'.
     Score mode scores their raw text (no chat template)."""
     text_field: str = "prompt"
     """Field holding the prompt text in local files and HF datasets."""

