@@ -39,13 +39,14 @@ class GenerateConfig:
     """'generate' samples completions; 'score' runs the target teacher-forced over existing text."""
     sources: list[str] = field(default_factory=lambda: ["embedded"])
     """Prompt sources: 'embedded' (wheel-shipped chat/math/writing prompts), 'persistbench', 'freshqa',
-    'writingbench', 'gsm8k', 'humaneval', 'gpqa', a local .jsonl/.parquet/.csv file, or 'hf:<dataset name>'.
+    'writingbench', 'gsm8k', 'humaneval', 'gpqa', 'pycode' (documented Python functions from a pinned wheel's
+    source), a local .jsonl/.parquet/.csv file, or 'hf:<dataset name>'.
     Score mode scores their raw text (no chat template)."""
     text_field: str = "prompt"
     """Field holding the prompt text in local files and HF datasets."""
     response_field: str | None = None
     """Score mode: the field holding a response to each prompt (a local file's field or column; 'answer'
-    for gsm8k's human-written solutions). Each prompt then gets the chat template and the target is
+    for gsm8k's human-written solutions, 'solution' for pycode's whole functions). Each prompt then gets the chat template and the target is
     teacher-forced over its response + EOS (distill/generation/pairs.py). None: score raw text."""
     rollout_draft: str | None = None
     """On-policy data: a draft folder (a run's final/) that samples every completion in place of the

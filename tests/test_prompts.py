@@ -9,6 +9,8 @@ from common.errors import UserError
 from common.models import load_tokenizer
 from common.prompts import (EMBEDDED_PARTS, PromptSourceError, build_prompt_set, evaluation_split, load_prompt_set,
                             read_texts, split_of)
+from common.pycode import functions_of, python_functions
+from distill.generation.pairs import responses_by_prompt
 
 
 @pytest.fixture(scope="module")
@@ -137,3 +139,48 @@ def test_a_local_file_given_for_evaluation_is_used_whole(tokenizer, tmp_path):
     cfg = load_config("configs/tiny.yaml", [f"eval.prompts=[{path}]", "eval.num_prompts=6"])
     sets = eval_prompts(cfg, tokenizer, context_length=1024)
     assert sorted(p.text for p in sets[str(path)]) == [f"Question number {i}?" for i in range(6)]
+
+
+def test_pycode_pairs_a_signature_and_docstring_with_the_whole_function():
+    source = '''
+def add(a: int, b: int) -> int:
+    """Add two integers and return their sum, checking nothing."""
+    total = a + b
+    # a comment long enough that the function passes the minimum size of a training pair .........
+    return total
+
+
+def _private(x):
+    """A private helper: never a request a user would make of the model."""
+    return x * 2 + 1 - 1 + 0 + 0 + 0 + 0 + 0 + 0 + 0 + 0 + 0 + 0 + 0 + 0 + 0 + 0 + 0 + 0 + 0 + 0 + 0 + 0 + 0
+
+
+class Box:
+    def size(self) -> int:
+        """How many items the box holds, counted one by one from its list."""
+        count = 0
+        for _ in self.items:  # a loop long enough to pass the minimum size of a training pair .....
+            count += 1
+        return count
+
+    def undocumented(self):
+        return [item for item in self.items if item is not None and item != "" and item != 0 and item]
+'''
+    pairs = functions_of(source)
+    assert [prompt.splitlines()[0] for prompt, _ in pairs] == ["def add(a: int, b: int) -> int:",
+                                                               "def size(self) -> int:"]
+    prompt, response = pairs[1]
+    assert prompt.endswith('counted one by one from its list."""\n') and "count = 0" not in prompt
+    assert response.startswith("```python\ndef size(self) -> int:\n") and response.endswith("return count\n```")
+
+
+def test_pycode_is_a_named_source_that_holds_nothing_of_humaneval():
+    pairs = python_functions()
+    assert len(pairs) > 1000 and "pycode" not in EMBEDDED_PARTS
+    assert not any("HumanEval" in prompt + response or "human_eval" in prompt + response for prompt, response in pairs)
+    assert [raw.text for raw in read_texts("pycode")] == [prompt for prompt, _ in pairs]
+    humaneval = {raw.text.strip() for raw in read_texts("humaneval")}
+    assert not humaneval & {prompt.strip() for prompt, _ in pairs}
+    responses = responses_by_prompt(["pycode"], "prompt", "solution")  # what generate.mode=score reads
+    prompt, response = pairs[0]
+    assert responses[("pycode", prompt.strip())] == response.strip() and len(responses) > 1000

@@ -8,6 +8,8 @@ the same shards as generated data. Sources of responses:
   gsm8k                                its human-written solutions (generate.response_field: answer), with
                                        the calculator notes (<<48/2=24>>) removed and the closing
                                        "#### 72" written as "The answer is 72."
+  pycode                               each function's whole source, fenced (generate.response_field:
+                                       solution; common/pycode.py)
 A prompt keeps the id and split it has as a plain prompt of that source, so a question held out from
 generated data is held out here too (evaluation never sees a scored response of its own prompts).
 """
@@ -18,11 +20,13 @@ import re
 
 from common.config import ConfigError
 from common.prompts import Prompt, PromptSet, gsm8k_answers, local_prompt_file, read_texts
+from common.pycode import python_functions
 
 
 # Responses shipped with a named source: (source, response_field) -> reader of the responses in the
 # order of the source's prompts.
-NAMED_RESPONSES = {("gsm8k", "answer"): lambda: [clean_gsm8k(a) for a in gsm8k_answers()]}
+NAMED_RESPONSES = {("gsm8k", "answer"): lambda: [clean_gsm8k(a) for a in gsm8k_answers()],
+                   ("pycode", "solution"): lambda: [response for _, response in python_functions()]}
 _CALCULATOR_NOTE = re.compile(r"<<[^<>]*>>")
 _FINAL_ANSWER = re.compile(r"\n?#### *(.+)\s*$")
 
