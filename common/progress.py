@@ -35,10 +35,14 @@ def expectation(stage: str, done: float, total: float, elapsed_s: float, unit: s
 
 class BatchProgress:
     """A bar over `total` units moved once per finished batch, with tokens/s, and one expectation line
-    (stderr) after the first batch."""
+    (stderr) after the first batch. `total_tokens` > 0, where the tokens to come are known (score mode:
+    the texts it is teacher-forced over), scales the expectation by tokens instead: rows of scored text
+    differ in length, and on 1,743 Python functions the first 128 rows (short ones) said ~4 minutes for a
+    run of 8.9."""
 
-    def __init__(self, stage: str, total: int, unit: str, enabled: bool = True):
+    def __init__(self, stage: str, total: int, unit: str, enabled: bool = True, total_tokens: int = 0):
         self.stage, self.total, self.unit, self.enabled = stage, total, unit, enabled
+        self.total_tokens = total_tokens
         self.bar = tqdm(total=total, unit=unit, desc=stage, disable=not enabled, dynamic_ncols=True, smoothing=0)
         self.start = time.perf_counter()
         self.done = self.tokens = 0
@@ -51,7 +55,9 @@ class BatchProgress:
             self.bar.set_postfix(tok_s=f"{self.tokens / elapsed:.0f}", refresh=False)
         self.bar.update(units)
         if self.enabled and self.done == units and self.done < self.total:  # the first batch
-            self.bar.write(expectation(self.stage, self.done, self.total, elapsed, self.unit), file=sys.stderr)
+            done, total, unit = ((self.tokens, self.total_tokens, "tokens") if self.total_tokens and self.tokens
+                                 else (self.done, self.total, self.unit))
+            self.bar.write(expectation(self.stage, done, total, elapsed, unit), file=sys.stderr)
 
     def close(self) -> None:
         self.bar.close()

@@ -162,12 +162,12 @@ def write_shards(engine: Engine, shards: list[list[Row]], todo: list[int], confi
     """Each shard in todo: its rows through the engine, then one atomic Parquet write. Returns the
     completion tokens produced."""
     g = config.generate
-    progress = BatchProgress(f"{g.mode} rank 0/{ranks.world}", sum(len(shards[i]) for i in todo), "rows",
-                             enabled=ranks.rank == 0)
+    rows = [row for i in todo for row in shards[i]]
+    progress = BatchProgress(f"{g.mode} rank 0/{ranks.world}", len(rows), "rows", enabled=ranks.rank == 0,
+                             total_tokens=sum(len(row.completion_ids) for row in rows))  # 0 in generate mode
     # One engine call over every row to do, so an engine may batch across shards (vLLM keeps its
     # batch full); each shard is written as soon as its rows are back.
-    stream = chain.from_iterable(counted(completions(engine, [row for i in todo for row in shards[i]], config),
-                                         progress))
+    stream = chain.from_iterable(counted(completions(engine, rows, config), progress))
     for i in todo:
         shard_start, records = time.perf_counter(), []
         for row, completion in zip(shards[i], islice(stream, len(shards[i])), strict=True):

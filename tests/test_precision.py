@@ -90,6 +90,14 @@ def test_progress_moves_by_batches_and_expects_from_the_first(capsys):
     assert "the first" not in capsys.readouterr().err  # said once, after the first batch only
 
 
+def test_progress_expects_from_tokens_where_they_are_known(capsys):
+    progress = BatchProgress("score", total=10, unit="rows", total_tokens=10_000)
+    progress.batch_done(5, 1_000)  # half the rows, a tenth of the tokens: short texts first
+    line = capsys.readouterr().err
+    assert "score: the first 1,000 of 10,000 tokens took" in line
+    progress.close()
+
+
 def test_expectation_scales_the_first_units_time():
     line = expectation("distill", 1, 540, 0.8, "steps")
     assert "the first 1 of 540 steps took 1 s; expect ~7 min in all" in line
