@@ -46,8 +46,9 @@ class GenerateConfig:
     """Field holding the prompt text in local files and HF datasets."""
     response_field: str | None = None
     """Score mode: the field holding a response to each prompt (a local file's field or column; 'answer'
-    for gsm8k's human-written solutions, 'solution' for pycode's whole functions). Each prompt then gets the chat template and the target is
-    teacher-forced over its response + EOS (distill/generation/pairs.py). None: score raw text."""
+    for gsm8k's human-written solutions, 'solution' for pycode's whole functions). Each prompt then gets
+    the chat template and the target is teacher-forced over its response + EOS (distill/generation/pairs.py).
+    None: score raw text."""
     rollout_draft: str | None = None
     """On-policy data: a draft folder (a run's final/) that samples every completion in place of the
     target, which then scores it: its top-k per token at prefill cost, for training that draft further
