@@ -21,9 +21,12 @@ def reliability_lines(reliability: dict) -> list[str]:
     band = figures["measured_over_predicted"] or (None, None)
     step = figures["target_step_ms"]
     hf = max(figures["hf_greedy_over_ours"].values(), default=None)
+    trees = figures.get("tree_measured_over_predicted")
+    tree_part = (f" Tree rows: measured ÷ predicted {_fmt(trees[0])}–{_fmt(trees[1])} (not a sign of a busy "
+                 "machine: the cost model leaves out a tree's host work)." if trees else "")
     return [f"Timings reliable: target-only spread across prompts ≤ {_fmt(spread)}, measured ÷ predicted "
-            f"{_fmt(band[0])}–{_fmt(band[1])}, target step {step['start']:.1f} ms before the timed runs and "
-            f"{step['end']:.1f} ms after, HF greedy ≤ {_fmt(hf)}× our target-only.", ""]
+            f"{_fmt(band[0])}–{_fmt(band[1])} (chains), target step {step['start']:.1f} ms before the timed runs "
+            f"and {step['end']:.1f} ms after, HF greedy ≤ {_fmt(hf)}× our target-only.{tree_part}", ""]
 
 
 def _draft_part(name: str, draft: dict | None) -> str:

@@ -121,8 +121,10 @@ def target_only_spread(runs: list[dict]) -> dict[str, float]:
             if len(by_prompt) >= MIN_PROMPTS_FOR_SPREAD}
 
 
-def measured_over_predicted_range(results: list[dict]) -> tuple[float, float] | None:
-    ratios = [r["measured_over_predicted"] for r in results if r["measured_over_predicted"] is not None]
+def measured_over_predicted_range(results: list[dict], trees: bool = False) -> tuple[float, float] | None:
+    """The range over chain rows, or over tree rows (trees=True)."""
+    ratios = [r["measured_over_predicted"] for r in results
+              if r["measured_over_predicted"] is not None and bool(r.get("tree")) == trees]
     return (min(ratios), max(ratios)) if ratios else None
 
 
@@ -133,9 +135,13 @@ def hf_greedy_over_ours(hf_rows: list[dict]) -> dict[str, float]:
 
 
 def timing_reliability(report: dict, device_type: str) -> dict:
-    """{reliable, reasons, figures, limits} from a report's runs, results, both cost models and HF rows."""
+    """{reliable, reasons, figures, limits} from a report's runs, results, both cost models and HF rows.
+    Only chain rows are held to the prediction band: the cost model leaves out a tree's host work
+    (building it, warping the rows its walk visits), so a tree row's gap says how far the model is off
+    for trees, not that the machine was busy; it is reported beside the band (figures: tree_measured_over_predicted)."""
     spread = target_only_spread(report["runs"])
     band = measured_over_predicted_range(report["results"])
+    tree_band = measured_over_predicted_range(report["results"], trees=True)
     start, end = report["cost_model"]["target_step_ms"], report["cost_model_end"]["target_step_ms"]
     hf = hf_greedy_over_ours(report["hf"])
     reasons = [f"target-only tokens/s varies by {v:.2f} (median absolute deviation ÷ median) across the "
@@ -143,7 +149,7 @@ def timing_reliability(report: dict, device_type: str) -> dict:
                if v > SPREAD_LIMIT]
     low, high = PREDICTION_BAND
     if device_type == "cpu" and band is not None and not low <= band[0] <= band[1] <= high:
-        reasons.append(f"measured ÷ predicted speedup {band[0]:.2f}-{band[1]:.2f} leaves {low}-{high}: "
+        reasons.append(f"measured ÷ predicted speedup {band[0]:.2f}-{band[1]:.2f} (chains) leaves {low}-{high}: "
                        "the cost model measured at the start does not describe the timed runs")
     if abs(end / start - 1) > TARGET_STEP_DRIFT:
         reasons.append(f"the target step took {start:.1f} ms before the timed runs and {end:.1f} ms after "
@@ -153,6 +159,7 @@ def timing_reliability(report: dict, device_type: str) -> dict:
     return {"reliable": not reasons, "reasons": reasons,
             "figures": {"target_only_spread": spread,
                         "measured_over_predicted": list(band) if band else None,
+                        "tree_measured_over_predicted": list(tree_band) if tree_band else None,
                         "target_step_ms": {"start": start, "end": end},
                         "hf_greedy_over_ours": hf},
             "limits": {"target_only_spread": SPREAD_LIMIT, "measured_over_predicted": list(PREDICTION_BAND),

@@ -19,6 +19,7 @@ temperature 0 both are one-hot and the rule is "descend into the child equal to 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -59,14 +60,15 @@ def verify_tree_greedy(tree: TokenTree, target_logits: torch.Tensor) -> tuple[li
         node = child
 
 
-def verify_tree(tree: TokenTree, target_probs: torch.Tensor, generator: torch.Generator | None = None,
+def verify_tree(tree: TokenTree, target_probs: Callable[[int], torch.Tensor], generator: torch.Generator | None = None,
                 draft_ids: torch.Tensor | None = None) -> tuple[list[int], list[int]]:
-    """Temperature > 0: the multi-candidate rule of the module docstring. target_probs [1 + n, V]: the
-    target's warped distributions at the root and at each node. Returns (emitted tokens, accepted path)."""
-    rng_device = generator.device if generator is not None else target_probs.device
+    """Temperature > 0: the multi-candidate rule of the module docstring. target_probs(row) -> [V]: the
+    target's warped distribution at the root (row 0) or at node i (row 1 + i), asked only of the nodes the
+    walk reaches. Returns (emitted tokens, accepted path)."""
     node, path = -1, []
     while True:
-        p = target_probs[node + 1]
+        p = target_probs(node + 1)
+        rng_device = generator.device if generator is not None else p.device
         for child in tree.children.get(node, ()):
             token, proposal = tree.tokens[child], tree.draft_probs[child]
             accept_prob = min(1.0, float(p[token]) / draft_prob(proposal, token, draft_ids))
@@ -121,7 +123,9 @@ def _verify(target_runner: Runner, committed: list[int], tree: TokenTree, sampli
                                           visible, len(tree) + 1)  # [1 + n, V]
     if sampling.greedy:
         return verify_tree_greedy(tree, logits)
-    return verify_tree(tree, sampling.warp(logits), generator, draft_ids)
+    # Warp only the rows the walk visits (at most depth + 1): the 33 rows of a 32-node tree took 17 ms to
+    # warp (T = 0.7, top-p 0.95, 2-core AVX2 EPYC), 0.4 of a target step, against ~1 ms for 2-3 rows.
+    return verify_tree(tree, lambda row: sampling.warp(logits[row]), generator, draft_ids)
 
 
 def _record(stats: SpeculativeStats, tree: TokenTree, path: list[int], emitted: list[int], draft_forwards: int) -> None:

@@ -70,6 +70,24 @@ def test_sample_rows_samples_warp_probs_distribution(top_k, top_p):
     torch.testing.assert_close(drawn, warp_probs(logits, 0.7, top_k, top_p)[0].double(), atol=2e-4, rtol=0)
 
 
+@pytest.mark.parametrize("scale", [3.0, 0.01])  # a peaked row (nucleus within the candidates), a flat one (beyond)
+@pytest.mark.parametrize("top_k", [0, 700])
+def test_warp_probs_keeps_the_nucleus_of_a_full_sort(scale, top_k):
+    """warp_probs finds the nucleus among the most likely NUCLEUS_CANDIDATES tokens, sorting a row only
+    when they hold less than top_p: the same tokens as sorting every row."""
+    logits = torch.randn(3, 5000, generator=torch.Generator().manual_seed(4)) * scale
+    probs = warp_probs(logits, 0.7, top_k, 0.9)
+    scaled = logits / 0.7
+    if top_k:
+        scaled = scaled.masked_fill(scaled < scaled.topk(top_k, dim=-1).values[:, -1:], float("-inf"))
+    sorted_probs, order = scaled.softmax(-1).sort(dim=-1, descending=True)
+    inside = sorted_probs.cumsum(-1) - sorted_probs < 0.9  # the mass before a token is below top_p
+    kept = inside.scatter(-1, order, inside)
+    assert torch.equal(probs > 0, kept)
+    assert (kept.sum(-1) > 512).all() == (scale < 1)  # both paths were taken
+    torch.testing.assert_close(probs, scaled.masked_fill(~kept, float("-inf")).softmax(-1))
+
+
 def test_sample_rows_falls_back_when_the_nucleus_exceeds_the_candidates():
     logits = torch.zeros(1, 2000)  # flat: the 0.95 nucleus holds 1900 tokens, more than 512 candidates
     uniforms = torch.arange(4000, dtype=torch.float64) / 4000

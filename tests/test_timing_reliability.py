@@ -77,6 +77,20 @@ def test_each_busy_signal_withholds_the_verdict(busy, reason, capsys, tmp_path):
     assert all(r in printed for r in reliability["reasons"]) and withheld in printed
 
 
+def test_tree_rows_off_the_cost_model_do_not_call_the_machine_busy():
+    """A tree row's measured ÷ predicted outside the band is the model's gap (tree host work), reported
+    beside the chains' band; the same figure on a chain row withholds the verdict."""
+    report = synthetic_report()
+    report["results"].append({"measured_over_predicted": 0.63, "tree": "dynamic:depth=6,branch=4,nodes=auto"})
+    reliability = timing_reliability(report, "cpu")
+    assert reliability["reliable"] and reliability["figures"]["measured_over_predicted"] == [0.89, 1.09]
+    assert reliability["figures"]["tree_measured_over_predicted"] == [0.63, 0.63]
+    (line, _) = reliability_lines(reliability)
+    assert "0.89–1.09 (chains)" in line and "Tree rows: measured ÷ predicted 0.63–0.63" in line
+    del report["results"][-1]["tree"]
+    assert not timing_reliability(report, "cpu")["reliable"]
+
+
 def test_small_prompt_sets_give_no_spread():
     # Two prompts, one twice as fast: a median absolute deviation of 2 values says nothing.
     reliability = timing_reliability(synthetic_report(tok_s=(40.0, 20.0)), "cpu")

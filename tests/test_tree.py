@@ -206,7 +206,7 @@ def test_multi_candidate_rule_emits_the_target_at_every_depth(sampled):
                         tree.add(token, parent)
                         q[token] = -1.0
         rows = torch.stack([target[0]] + [target[d] for d in tree.depths])
-        emitted, _ = verify_tree(tree, rows, gen)
+        emitted, _ = verify_tree(tree, rows.__getitem__, gen)
         counts[0, emitted[0]] += 1
         if len(emitted) > 1:
             counts[1, emitted[1]] += 1
