@@ -37,6 +37,9 @@ class EvalConfig:
     dtype: str = "auto"
     """'auto' (bf16 on a GPU with native bf16; fp32 on CPUs, even with AMX: batch-1 decoding feeds its
     GEMMs 1-9 rows, where bf16 ran slower than fp32), 'fp32' or 'bf16'."""
+    hf_prompts: int = 0
+    """HF baselines on the first this-many prompts of each set (0: all of them), compared with our runs
+    on the same prompts: HF generate is the slowest part of eval-speedup on a CPU."""
     hf_ks: list[int] = field(default_factory=lambda: [4])
     """k values for the HF assisted-generation and prompt-lookup comparisons."""
     lookup_ngram: int = 0
@@ -78,6 +81,8 @@ class EvalConfig:
                 for name in ("ks", "hf_ks") for k in getattr(self, name) if k <= 0]
         out += [f"eval.prompts: {source!r} names split {source[5:]!r}; use 'data:eval' or 'data:train'"
                 for source in self.prompts if source.startswith("data:") and source[5:] not in DATA_SPLITS]
+        if self.hf_prompts < 0:
+            out.append("eval.hf_prompts must be >= 0 (0: every prompt)")
         for name in ("num_prompts", "max_new_tokens"):
             if getattr(self, name) <= 0:
                 out.append(f"eval.{name} must be >= 1")

@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> dict:
     runs, samples, greedy_tokens = measure(s)
     results = aggregate(runs, costs)
     serving_rows = measure_serving(s, greedy_tokens) if cfg.eval.serving_batches else []
-    hf_rows = hf_comparisons(s, results, greedy_tokens) if cfg.eval.hf_baselines else []
+    hf_rows = hf_comparisons(s, runs, greedy_tokens) if cfg.eval.hf_baselines else []
     # The same measurement after every timed run, on the same runners: a machine whose load changed
     # during the run shows as a different target step (one of the timing-reliability signals).
     costs_end = measure_costs(s)

@@ -67,8 +67,9 @@ def hf_generate(target, input_ids: torch.Tensor, max_new_tokens: int, eos_token_
     return out[0, input_ids.shape[1]:]
 
 
-def hf_comparisons(s: Setup, results: list[dict], greedy_tokens: dict[tuple[str, str], list[int]]) -> list[dict]:
-    """HF greedy, assisted generation and prompt lookup on the same prompts (greedy, timed the same way)."""
+def hf_comparisons(s: Setup, runs: list[dict], greedy_tokens: dict[tuple[str, str], list[int]]) -> list[dict]:
+    """HF greedy, assisted generation and prompt lookup on the same prompts (greedy, timed the same way),
+    each compared with our greedy runs on those prompts (`runs`: measure's per-prompt records)."""
     ev = s.cfg.eval
     # HF assisted generation runs a standalone draft only (it has no feature-draft mode).
     assistant = s.draft
@@ -76,20 +77,32 @@ def hf_comparisons(s: Setup, results: list[dict], greedy_tokens: dict[tuple[str,
         assistant = full_vocab_view(s.draft)
     kinds = ("hf assisted", "hf prompt lookup") if assistant is not None else ("hf prompt lookup",)
     methods = [("hf greedy", None)] + [(m, k) for k in ev.hf_ks for m in kinds]
-    # HF assisted generation runs the draft alone: compare it with our draft-only rows.
-    ours = {(r["prompt_set"], r["k"]): r for r in results if r["temperature"] == 0 and r["proposer"] == "draft"}
     rows = []
     for set_name, prompts in s.prompt_sets.items():
-        base_rows = [r for r in results if r["prompt_set"] == set_name and r["temperature"] == 0]
+        prompts = prompts[: ev.hf_prompts or None]
+        ids = {p.prompt_id for p in prompts}
+        greedy_runs = [r for r in runs if r["prompt_set"] == set_name and r["temperature"] == 0
+                       and r["prompt_id"] in ids and not r.get("tree")]
         for method, k in tqdm(methods, desc=f"hf baselines {set_name}", dynamic_ncols=True):
             tok_s, identical = time_hf_method(s, set_name, prompts, method, k, assistant, greedy_tokens)
-            row = {"prompt_set": set_name, "method": method, "k": k, "tok_s": tok_s, "identical_to_ours": identical}
-            if base_rows:
-                row["vs_our_baseline"] = tok_s / base_rows[0]["baseline_tok_s"]
-            if k is not None and (set_name, k) in ours:
-                row["ours_over_this"] = ours[(set_name, k)]["speculative_tok_s"] / tok_s
+            row = {"prompt_set": set_name, "method": method, "k": k, "tok_s": tok_s, "identical_to_ours": identical,
+                   "n_prompts": len(prompts)}
+            if greedy_runs:
+                row["vs_our_baseline"] = tok_s / _our_baseline_tok_s(greedy_runs)
+            # HF assisted generation runs the draft alone: compare it with our draft-only runs.
+            draft_runs = [r for r in greedy_runs if r["proposer"] == "draft" and r["k"] == k]
+            if k is not None and draft_runs:
+                tokens, seconds = (sum(r[f"speculative_{x}"] for r in draft_runs) for x in ("tokens", "s"))
+                row["ours_over_this"] = tokens / seconds / tok_s
             rows.append(row)
     return rows
+
+
+def _our_baseline_tok_s(runs: list[dict]) -> float:
+    """Our target-only tokens/s pooled over the prompts of `runs` (each prompt's one timing, which every
+    (k, proposer) run of that prompt repeats)."""
+    by_prompt = {r["prompt_id"]: (r["baseline_tokens"], r["baseline_s"]) for r in runs}
+    return sum(t for t, _ in by_prompt.values()) / sum(s for _, s in by_prompt.values())
 
 
 def time_hf_method(s: Setup, set_name: str, prompts: list, method: str, k: int | None, assistant,

@@ -75,10 +75,11 @@ def write_markdown(report: dict, path: Path) -> None:
     lines += cost_model_lines(report)
     if report.get("hf"):
         lines += ["", "## Hugging Face generate on the same prompts (greedy)", "",
-                  "| prompts | method | k | tok/s | vs our target-only | ours speculative ÷ this | same tokens as ours |",
-                  "|---|---|---|---|---|---|---|"]
+                  "Each row against our greedy runs on the same prompts (n: how many).", "",
+                  "| prompts | n | method | k | tok/s | vs our target-only | ours speculative ÷ this | same tokens as ours |",
+                  "|---|---|---|---|---|---|---|---|"]
         for row in report["hf"]:
-            lines.append(f"| {row['prompt_set']} | {row['method']} | {row.get('k') or '–'} | "
+            lines.append(f"| {row['prompt_set']} | {row.get('n_prompts', '–')} | {row['method']} | {row.get('k') or '–'} | "
                          f"{_fmt(row['tok_s'], 1)} | {_fmt(row['vs_our_baseline'])}× | "
                          f"{_fmt(row.get('ours_over_this'), unit='×')} | {row['identical_to_ours']} |")
     if report.get("serving"):

@@ -4,10 +4,12 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from common.config import ConfigError, load_config
+from decode import hf_baselines
 from decode.bench import main, setup
 from decode.serving import request_groups
 
@@ -58,6 +60,24 @@ def check_report(eval_dir, ks, temperatures, proposers=("draft",)):
     samples = [json.loads(line) for line in (eval_dir / "samples.jsonl").read_text().splitlines()]
     assert {s["method"] for s in samples} >= {"target-only", "speculative k=2", "speculative k=4"}
     return report
+
+
+@pytest.mark.parametrize("hf_prompts, vs_ours, ours_over_hf", [(1, 5 / 10, 20 / 5), (0, 5 / (20 / 11), 30 / 11 / 5)])
+def test_hf_rows_compare_with_our_runs_on_the_same_prompts(hf_prompts, vs_ours, ours_over_hf, monkeypatch):
+    """eval.hf_prompts=1 times HF on the first prompt only; its rows then compare with our runs on that
+    prompt (a: 10 tok/s target-only, 20 speculative), not with the pooled set (b is ten times slower)."""
+    monkeypatch.setattr(hf_baselines, "time_hf_method", lambda s, set_name, prompts, *rest: (5.0, True))
+    prompts = [SimpleNamespace(prompt_id="a"), SimpleNamespace(prompt_id="b")]
+    s = SimpleNamespace(cfg=SimpleNamespace(eval=SimpleNamespace(hf_prompts=hf_prompts, hf_ks=[4])), draft=None,
+                        prompt_sets={"set": prompts})
+    runs = [{"prompt_set": "set", "temperature": t, "prompt_id": p, "proposer": "draft", "k": 4,
+             "baseline_tokens": 10, "baseline_s": seconds, "speculative_tokens": spec, "speculative_s": seconds}
+            for p, seconds, spec in (("a", 1.0, 20), ("b", 10.0, 10)) for t in (0.0, 0.7)]
+    rows = hf_baselines.hf_comparisons(s, runs, {})
+    assert [(r["method"], r["n_prompts"]) for r in rows] == [("hf greedy", hf_prompts or 2),
+                                                              ("hf prompt lookup", hf_prompts or 2)]
+    assert all(r["vs_our_baseline"] == pytest.approx(vs_ours) for r in rows)
+    assert "ours_over_this" not in rows[0] and rows[1]["ours_over_this"] == pytest.approx(ours_over_hf)
 
 
 def test_eval_speedup_with_an_untrained_draft(tmp_path):

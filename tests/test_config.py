@@ -89,6 +89,7 @@ def test_wrong_types(override, message):
     ("eval.temperatures=[]", "eval.temperatures is empty"),
     ("eval.hf_ks=[]", "eval.hf_ks is empty"),
     ("eval.hf_ks=[0]", "eval.hf_ks: k=0"),
+    ("eval.hf_prompts=-1", r"eval.hf_prompts must be >= 0 \(0: every prompt\)"),
     ("eval.prompts=[]", "eval.prompts is empty"),
     ("eval.prompts=[data:evl]", "names split 'evl'"),
     ("eval.dtype=float32", "eval.dtype: 'float32' is not one of 'auto', 'fp32', 'bf16'"),
