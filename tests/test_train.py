@@ -62,13 +62,20 @@ def weights(path):
     return load_file(Path(path) / "model.safetensors")
 
 
-def assert_same_weights(a, b, atol=1e-6):
+def assert_same_weights(a, b, **tolerance):
     a, b = weights(a), weights(b)
     # A DeepSpeed-gathered state dict also names the tied head; the embedding is the same tensor.
     a.pop("lm_head.weight", None), b.pop("lm_head.weight", None)
+    assert_same_tensors(a, b, **tolerance)
+
+
+def assert_same_tensors(a: dict, b: dict, atol=1e-6, outliers=0.0, outlier_atol=0.0):
+    """Every weight within atol, except at most a fraction `outliers` of each tensor's, within outlier_atol."""
     assert a.keys() == b.keys()
     for key in a:
-        assert torch.allclose(a[key], b[key], atol=atol), (key, (a[key] - b[key]).abs().max())
+        diff = (a[key] - b[key]).abs()
+        far = diff > atol
+        assert far.float().mean() <= outliers and diff[far].le(outlier_atol).all(), (key, diff.max(), far.sum())
 
 
 def losses(out):
@@ -86,9 +93,11 @@ def torchrun(*args, timeout=240):
 
 STEPS = ["distill.max_steps=3", "distill.eval_every=0", "distill.save_every=0"]
 # Splitting a step changes only float summation order. Losses agree to 1e-5; AdamW divides by
-# √v, so where a gradient is ~0 that noise can move a weight by a fraction of lr (3e-3 here):
-# weights are compared at 2e-4, far below the ~1e-2 that 3 steps move them.
-SPLIT_ATOL = 2e-4
+# √v, so where a gradient is ~0 that noise can move a weight by up to about lr (3e-3 here): weights
+# are compared at 2e-4, far below the ~1e-2 that 3 steps move them, except a few per tensor, within lr.
+# On a 2-core AVX2 EPYC 2 of the embedding's 41,040 weights moved 2.3-2.8e-4 (every other weight < 5e-5);
+# accumulating the wrong gradient moves most weights by ~1e-2.
+SPLIT = {"atol": 2e-4, "outliers": 1e-3, "outlier_atol": 3e-3}
 
 
 @pytest.fixture(scope="session")
@@ -141,7 +150,7 @@ def test_a_run_from_before_a_setting_existed_resumes_under_its_old_behaviour():
 
 def test_grad_accumulation_equals_one_big_batch(data, reference, tmp_path):
     run(data, tmp_path, "distill.micro_batch_size=2", "distill.grad_accum=4", *STEPS)
-    assert_same_weights(tmp_path / "final", reference / "final", atol=SPLIT_ATOL)
+    assert_same_weights(tmp_path / "final", reference / "final", **SPLIT)
     ref = losses(reference)
     assert all(abs(l - ref[s]) < 1e-5 for s, l in losses(tmp_path).items())
 
@@ -149,7 +158,7 @@ def test_grad_accumulation_equals_one_big_batch(data, reference, tmp_path):
 def test_two_ranks_equal_one_process(data, reference, tmp_path):
     torchrun(f"distill.data_dirs=[{data}]", f"distill.out_dir={tmp_path}", "wandb.mode=disabled",
              "distill.micro_batch_size=2", "distill.grad_accum=2", *STEPS)
-    assert_same_weights(tmp_path / "final", reference / "final", atol=SPLIT_ATOL)
+    assert_same_weights(tmp_path / "final", reference / "final", **SPLIT)
     ref = losses(reference)
     assert all(abs(l - ref[s]) < 1e-5 for s, l in losses(tmp_path).items())
 
@@ -161,7 +170,7 @@ def test_deepspeed_zero2_on_two_cpu_processes(data, reference, tmp_path):
              *STEPS)
     ref = losses(reference)
     assert all(abs(l - ref[s]) < 1e-4 for s, l in losses(tmp_path).items())
-    assert_same_weights(tmp_path / "final", reference / "final", atol=SPLIT_ATOL)
+    assert_same_weights(tmp_path / "final", reference / "final", **SPLIT)
     assert (tmp_path / "checkpoints/step-3/COMPLETE").exists()
 
 
