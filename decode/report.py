@@ -76,11 +76,11 @@ def write_markdown(report: dict, path: Path) -> None:
     if report.get("hf"):
         lines += ["", "## Hugging Face generate on the same prompts (greedy)", "",
                   "Each row against our greedy runs on the same prompts (n: how many).", "",
-                  "| prompts | n | method | k | tok/s | vs our target-only | ours speculative ÷ this | same tokens as ours |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| prompts | n | method | k | tok/s | vs our target-only | ours speculative ÷ this "
+                  "| same tokens as ours |", "|---|---|---|---|---|---|---|---|"]
         for row in report["hf"]:
-            lines.append(f"| {row['prompt_set']} | {row.get('n_prompts', '–')} | {row['method']} | {row.get('k') or '–'} | "
-                         f"{_fmt(row['tok_s'], 1)} | {_fmt(row['vs_our_baseline'])}× | "
+            lines.append(f"| {row['prompt_set']} | {row.get('n_prompts', '–')} | {row['method']} | "
+                         f"{row.get('k') or '–'} | {_fmt(row['tok_s'], 1)} | {_fmt(row['vs_our_baseline'])}× | "
                          f"{_fmt(row.get('ours_over_this'), unit='×')} | {row['identical_to_ours']} |")
     if report.get("serving"):
         lines += ["", *serving_lines(report["serving"])]
