@@ -13,9 +13,10 @@ from decode.drafts.feature.ragged import RaggedFeatureDrafter
 from decode.runners import make_runner
 from decode.runners.ragged import RaggedRunner
 from decode.speculative import speculative_decode, target_decode
+from tests.chi2 import target_only, two_sample_pvalue
 from tests.conftest import random_feature_draft
 # target and trained: the feature proposer tests' fixtures (a tiny target, a draft taught it to ~50% acceptance)
-from tests.test_feature_proposer import SUBSET_IDS, chi2_pvalue, feature_decoding, target, trained  # noqa: F401
+from tests.test_feature_proposer import SUBSET_IDS, feature_decoding, target, trained  # noqa: F401
 
 
 # Of different lengths, one of a single token (no draft position before the target's first forward).
@@ -72,12 +73,8 @@ def test_each_sampled_row_follows_the_target(target, warp):
                          sampling=sampling, generators=generators)
         spec[tuple(outcomes[1].tokens)] += 1
         accepted += outcomes[1].stats.accepted
-    lean = make_runner(target, 16, "lean")
-    base_gen = torch.Generator().manual_seed(2)
-    base = Counter(tuple(target_decode(lean, torch.tensor([PROMPTS[1]]), max_new_tokens=3, sampling=sampling,
-                                       generator=base_gen).tolist()) for _ in range(800))
     assert accepted > 80  # the draft's guesses are tested, not only rejected
-    assert chi2_pvalue(spec, base) > 1e-4
+    assert two_sample_pvalue(spec, target_only(target, torch.tensor([PROMPTS[1]]), 3, sampling, 800)) > 1e-4
 
 
 def test_a_target_runner_without_the_draft_layers_is_refused(target):

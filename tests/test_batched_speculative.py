@@ -6,7 +6,6 @@ from collections import Counter
 
 import pytest
 import torch
-from scipy import stats as scipy_stats
 
 from common.sampling import SamplingParams
 from decode.api import build_runners
@@ -15,6 +14,7 @@ from decode.drafts.standalone.proposer import DraftProposer
 from decode.runners import make_runner
 from decode.runners.ragged import RaggedRunner
 from decode.speculative import speculative_decode, target_decode
+from tests.chi2 import target_only, two_sample_pvalue
 from tests.conftest import small_llama, subset_llama
 
 
@@ -76,7 +76,7 @@ def test_a_draft_equal_to_the_target_accepts_every_guess(pair):
 def test_each_sampled_row_follows_the_target(pair, warp):
     """Two-sample χ² on 3-token continuations of row 1 of a batch of 3 (its neighbours decoding too)."""
     target, draft = pair
-    t_runner, d_runner, lean = RaggedRunner(target, 16), RaggedRunner(draft, 16), make_runner(target, 16, "lean")
+    t_runner, d_runner = RaggedRunner(target, 16), RaggedRunner(draft, 16)
     sampling = SamplingParams(**warp)
     gen = torch.Generator().manual_seed(1)
     spec = Counter()
@@ -85,14 +85,7 @@ def test_each_sampled_row_follows_the_target(pair, warp):
         outcomes = serve(t_runner, d_runner, PROMPTS[:3], batch_size=3, k=2, max_new_tokens=3, sampling=sampling,
                          generators=generators)
         spec[tuple(outcomes[1].tokens)] += 1
-    base_gen = torch.Generator().manual_seed(2)
-    base = Counter(tuple(target_decode(lean, torch.tensor([PROMPTS[1]]), max_new_tokens=3, sampling=sampling,
-                                       generator=base_gen).tolist()) for _ in range(800))
-    cells = sorted(set(spec) | set(base))
-    frequent = [c for c in cells if spec[c] + base[c] >= 10]
-    rare = [c for c in cells if c not in frequent]
-    rows = [[x[c] for c in frequent] + [sum(x[c] for c in rare)] for x in (spec, base)]
-    assert scipy_stats.chi2_contingency(rows).pvalue > 1e-4
+    assert two_sample_pvalue(spec, target_only(target, torch.tensor([PROMPTS[1]]), 3, sampling, 800)) > 1e-4
 
 
 @pytest.mark.parametrize("kwargs, says", [(dict(batch_size=0), "batch size must be an int >= 1"),

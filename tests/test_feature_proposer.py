@@ -1,12 +1,9 @@
 """Speculative decoding with a feature draft (decode/drafts/feature/proposer.py) on a tiny random Llama target:
 what the draft reads at each position, lossless sampling (χ²), exact greedy, EOS and bad input."""
 
-from collections import Counter
-
 import pytest
 import torch
 import torch.nn.functional as F
-from scipy import stats as scipy_stats
 
 from common.sampling import SamplingParams
 from decode import generate, speculative_generate
@@ -14,7 +11,8 @@ from decode.api import build_feature_runner
 from decode.drafts.feature.model import FeatureDraftCache, FeatureDraftMismatch
 from decode.drafts.feature.proposer import FeatureProposer, make_feature_proposer
 from decode.runners import make_runner
-from decode.speculative import speculative_decode, target_decode
+from decode.speculative import speculative_decode
+from tests.chi2 import continuations, target_only, two_sample_pvalue
 from tests.conftest import random_feature_draft, small_llama
 
 
@@ -143,20 +141,6 @@ def test_every_proposal_reads_the_target_states_of_the_committed_text(target, tr
     assert drafted > 10
 
 
-def continuations(fn, n, seed):
-    gen = torch.Generator().manual_seed(seed)
-    return Counter(tuple(fn(gen).tolist()) for _ in range(n))
-
-
-def chi2_pvalue(a: Counter, b: Counter) -> float:
-    """Two-sample χ² on the joint histogram of continuations, rare cells pooled (expected counts >= 5)."""
-    cells = sorted(set(a) | set(b))
-    frequent = [c for c in cells if a[c] + b[c] >= 10]
-    rare = [c for c in cells if c not in frequent]
-    rows = [[counts[c] for c in frequent] + [sum(counts[c] for c in rare)] for counts in (a, b)]
-    return scipy_stats.chi2_contingency(rows).pvalue
-
-
 @pytest.mark.parametrize("prompt,draft_ids,lookup_ngram,k,warp", [
     (PROMPT, None, 0, 2, dict(temperature=1.0)),
     (PROMPT, SUBSET_IDS, 0, 2, dict(temperature=0.7, top_k=5, top_p=0.9)),
@@ -176,10 +160,8 @@ def test_sequence_distribution_matches_target(target, prompt, draft_ids, lookup_
         return out.tokens
 
     spec_counts = continuations(spec, n, seed=1)
-    base = continuations(lambda g: target_decode(runner, prompt, max_new_tokens=3, sampling=sampling, generator=g),
-                         n, seed=2)
     assert sum(accepted) > n / 10  # the draft's own tokens are tested, not only lookups and rejections
-    assert chi2_pvalue(spec_counts, base) > 1e-4
+    assert two_sample_pvalue(spec_counts, target_only(target, prompt, 3, sampling, n)) > 1e-4
 
 
 def test_chi2_detects_a_proposer_that_misreports_its_distribution(target, trained):
@@ -199,9 +181,7 @@ def test_chi2_detects_a_proposer_that_misreports_its_distribution(target, traine
     sampling = SamplingParams(temperature=1.0)
     spec = continuations(lambda g: speculative_decode(runner, proposer, PROMPT, k=2, max_new_tokens=3,
                                                       sampling=sampling, generator=g).tokens, 1000, seed=1)
-    base = continuations(lambda g: target_decode(runner, PROMPT, max_new_tokens=3, sampling=sampling, generator=g),
-                         1000, seed=2)
-    assert chi2_pvalue(spec, base) < 1e-4
+    assert two_sample_pvalue(spec, target_only(target, PROMPT, 3, sampling)) < 1e-4
 
 
 @pytest.mark.parametrize("backend", ["hf", "auto"])

@@ -417,18 +417,3 @@ def test_two_ranks_cover_every_prompt_once(finished_run, tmp_path):
     rows = read_rows(tmp_path)
     assert Counter(Counter(r["prompt_id"] for r in rows).values()) == {1: 24}
     assert {r["prompt_id"] for r in rows} == {r["prompt_id"] for r in read_rows(finished_run)}
-
-
-def test_make_generate_data_smoke(tmp_path):
-    # -o: do not (re)run `make setup`; the test runs inside the installed environment.
-    cmd = ["make", "-s", "-o", ".venv/.installed", "generate-data", "CONFIG=configs/tiny.yaml",
-           f"ARGS=generate.out_dir={tmp_path} generate.max_prompts=16 generate.max_new_tokens=6"]
-    done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    manifest = json.loads((tmp_path / "manifest.json").read_text())
-    assert manifest["complete"] and manifest["rows"] == 16 and (tmp_path / "config.yaml").is_file()
-    import datasets
-
-    data = datasets.load_dataset("parquet", data_files=[str(p) for p in verify_shards(tmp_path)], split="train")
-    assert len(data) == 16 and set(data["split"]) <= {"train", "eval"}
-    assert len(data[0]["teacher_topk_ids"][0]) == 8  # tiny.yaml: teacher_topk 8

@@ -1,7 +1,6 @@
 """RELIABILITY 2, 3, 6-12: speculative decoding with real (tiny, random) models."""
 
 import json
-from collections import Counter
 
 import pytest
 import torch
@@ -18,17 +17,13 @@ from decode.runners import make_runner
 from decode.runners.hf import HFRunner
 from decode.speculative import speculative_decode, target_decode, verify_block
 from decode.stats import SpeculativeStats
+from tests.chi2 import continuations, target_only, two_sample_pvalue
 from tests.conftest import negated_copy, small_llama, subset_llama
 
 
 PROMPT = torch.tensor([[0, 3, 7, 2, 9]])
 # Repeated bigrams: prompt lookup has something to propose from the first step.
 REPETITIVE = torch.tensor([[0, 3, 7, 2, 9, 3, 7, 2, 9, 3]])
-
-
-def continuations(fn, n, seed):
-    gen = torch.Generator().manual_seed(seed)
-    return Counter(tuple(fn(gen).tolist()) for _ in range(n))
 
 
 # A subset draft speaks 9 of the 16 ids: every token outside them reaches the output only
@@ -49,15 +44,7 @@ def test_sequence_distribution_matches_target(pair, warp, draft_kind):
     n = 1000
     spec = continuations(lambda g: speculative_decode(
         t_runner, proposer, PROMPT, k=2, max_new_tokens=3, sampling=sampling, generator=g).tokens, n, seed=1)
-    base = continuations(lambda g: target_decode(t_runner, PROMPT, max_new_tokens=3, sampling=sampling, generator=g),
-                         n, seed=2)
-    cells = sorted(set(spec) | set(base))
-    table = [[spec[c] for c in cells], [base[c] for c in cells]]
-    # Pool rare cells so expected counts are not tiny.
-    frequent = [i for i, c in enumerate(cells) if spec[c] + base[c] >= 10]
-    rare = [i for i in range(len(cells)) if i not in frequent]
-    rows = [[row[i] for i in frequent] + [sum(row[i] for i in rare)] for row in table]
-    p = scipy_stats.chi2_contingency(rows).pvalue
+    p = two_sample_pvalue(spec, target_only(target, PROMPT, 3, sampling, n))
     assert p > 1e-4, p
 
 
@@ -79,14 +66,8 @@ def test_sequence_distribution_with_lookup_matches_target(pair, draft_kind):
         return out.tokens
 
     spec_counts = continuations(spec, n, seed=1)
-    base = continuations(lambda g: target_decode(t_runner, REPETITIVE, max_new_tokens=3, sampling=sampling,
-                                                 generator=g), n, seed=2)
     assert sum(looked_up) > n  # most blocks start with a looked-up token
-    cells = sorted(set(spec_counts) | set(base))
-    frequent = [c for c in cells if spec_counts[c] + base[c] >= 10]
-    rare = [c for c in cells if c not in frequent]
-    rows = [[counts[c] for c in frequent] + [sum(counts[c] for c in rare)] for counts in (spec_counts, base)]
-    assert scipy_stats.chi2_contingency(rows).pvalue > 1e-4
+    assert two_sample_pvalue(spec_counts, target_only(target, REPETITIVE, 3, sampling, n)) > 1e-4
 
 
 def test_chi2_detects_a_different_distribution(pair):
@@ -98,10 +79,7 @@ def test_chi2_detects_a_different_distribution(pair):
                       800, 1)
     b = continuations(lambda g: target_decode(d_runner, PROMPT, max_new_tokens=2, sampling=sampling, generator=g),
                       800, 2)
-    cells = sorted(set(a) | set(b))
-    frequent = [c for c in cells if a[c] + b[c] >= 10]
-    rows = [[a[c] for c in frequent], [b[c] for c in frequent]]
-    assert scipy_stats.chi2_contingency(rows).pvalue < 1e-4
+    assert two_sample_pvalue(a, b) < 1e-4
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
@@ -320,15 +298,10 @@ def test_smaller_draft_vocabulary_never_cuts_the_target(pair):
     n = 1000
     spec = continuations(lambda g: speculative_decode(t_runner, proposer, PROMPT, k=2, max_new_tokens=2,
                                                       sampling=sampling, generator=g).tokens, n, seed=1)
-    base = continuations(lambda g: target_decode(t_runner, PROMPT, max_new_tokens=2, sampling=sampling, generator=g),
-                         n, seed=2)
+    base = target_only(target, PROMPT, 2, sampling, n)
     high = lambda counts: sum(c * sum(t >= SMALL_DRAFT_VOCAB for t in cell) for cell, c in counts.items()) / (2 * n)
     assert high(base) > 0.4 and abs(high(spec) - high(base)) < 0.05
-    cells = sorted(set(spec) | set(base))
-    frequent = [c for c in cells if spec[c] + base[c] >= 10]
-    rare = [c for c in cells if c not in frequent]
-    rows = [[counts[c] for c in frequent] + [sum(counts[c] for c in rare)] for counts in (spec, base)]
-    assert scipy_stats.chi2_contingency(rows).pvalue > 1e-4
+    assert two_sample_pvalue(spec, base) > 1e-4
 
 
 @pytest.mark.parametrize("lookup_ngram", [0, 2])

@@ -1,8 +1,6 @@
 """Draft trees (decode/tree.py, tree_proposers.py, tree_decode.py): masked forwards equal chain forwards,
 the cache keeps the accepted path, lossless sampling (χ²), exact greedy, and bad shapes refused."""
 
-from collections import Counter
-
 import pytest
 import torch
 from scipy import stats as scipy_stats
@@ -20,6 +18,7 @@ from decode.tree import (MAX_TREE_NODES, DynamicTree, StaticTree, TokenTree, Tre
                          deeper_pays, parse_tree, tree_window)
 from decode.tree_decode import tree_decode, verify_tree, verify_tree_greedy
 from decode.tree_proposers import LookupTreeProposer
+from tests.chi2 import continuations, target_only, two_sample_pvalue
 from tests.conftest import negated_copy, random_feature_draft, small_llama, subset_llama
 
 
@@ -146,19 +145,6 @@ def test_a_draft_equal_to_the_target_accepts_every_greedy_path(pair):
     assert out.stats.target_forwards == 4 and out.stats.accepted == 12  # 3 accepted + a bonus per forward
 
 
-def continuations(fn, n, seed):
-    gen = torch.Generator().manual_seed(seed)
-    return Counter(tuple(fn(gen).tolist()) for _ in range(n))
-
-
-def two_sample_pvalue(a: Counter, b: Counter) -> float:
-    cells = sorted(set(a) | set(b))
-    frequent = [c for c in cells if a[c] + b[c] >= 10]
-    rare = [c for c in cells if c not in frequent]
-    rows = [[x[c] for c in frequent] + [sum(x[c] for c in rare)] for x in (a, b)]
-    return scipy_stats.chi2_contingency(rows).pvalue
-
-
 @pytest.mark.parametrize("warp", [dict(temperature=1.0), dict(temperature=0.7, top_k=5, top_p=0.9)])
 @pytest.mark.parametrize("shape, draft_kind", [(shape, "full") for shape in SAMPLED] + [("sampled:3x2x1", "subset")])
 def test_sampled_tree_sequences_match_target_only(pair, warp, shape, draft_kind):
@@ -170,9 +156,7 @@ def test_sampled_tree_sequences_match_target_only(pair, warp, shape, draft_kind)
     proposer, sampling, tree = DraftTreeProposer(draft_runner), SamplingParams(**warp), parse_tree(shape)
     spec = continuations(lambda g: tree_decode(target_runner, proposer, PROMPT, shape=tree, max_new_tokens=3,
                                                sampling=sampling, generator=g).tokens, 1000, seed=1)
-    base = continuations(lambda g: target_decode(target_runner, PROMPT, max_new_tokens=3, sampling=sampling,
-                                                 generator=g), 1000, seed=2)
-    assert two_sample_pvalue(spec, base) > 1e-4
+    assert two_sample_pvalue(spec, target_only(target, PROMPT, 3, sampling)) > 1e-4
 
 
 def random_dist(gen, size=6):
@@ -255,9 +239,7 @@ def test_lookup_branch_joins_the_tree_and_stays_lossless(pair, shape):
     sampling = SamplingParams(temperature=1.0)
     spec = continuations(lambda g: tree_decode(target_runner, proposer, repetitive, shape=parse_tree(shape),
                                                max_new_tokens=3, sampling=sampling, generator=g).tokens, 1000, seed=1)
-    base = continuations(lambda g: target_decode(target_runner, repetitive, max_new_tokens=3, sampling=sampling,
-                                                 generator=g), 1000, seed=2)
-    assert two_sample_pvalue(spec, base) > 1e-4
+    assert two_sample_pvalue(spec, target_only(target, repetitive, 3, sampling)) > 1e-4
 
 
 def test_a_tree_with_lookup_adds_at_most_its_depth_in_nodes():

@@ -33,5 +33,18 @@ def make_accelerator(config):
             from accelerate.utils import InitProcessGroupKwargs
 
             kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
+            skip_shm_allreduce_build()
     return Accelerator(cpu=on_cpu and not dc.deepspeed_config, mixed_precision="bf16" if bf16 else "no",
                        gradient_accumulation_steps=dc.grad_accum, **kwargs)
+
+
+def skip_shm_allreduce_build():
+    """DeepSpeed on CPU JIT-compiles its shared-memory allreduce at the first collective (~100 s on 2 cores,
+    every fresh machine) unless the op was prebuilt at install (DS_BUILD_SHM_COMM=1). gloo's allreduce
+    carries a draft's gradients well enough, so an op that is not prebuilt is marked unavailable."""
+    from deepspeed import ops
+    from deepspeed.git_version_info import installed_ops
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    if not installed_ops.get(ShareMemCommBuilder.NAME, False):
+        ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
