@@ -23,7 +23,7 @@ from distill.checkpoint import latest_checkpoint
 from distill.disk import DiskFullError, reporting_full_disk
 from distill.export.hf import export_hf
 from tests.test_train import data  # noqa: F401 (a fixture: the scored shards every run here trains on)
-from tests.test_train import ENV, PY, ROOT, assert_same_weights, losses, run, weights
+from tests.test_train import ENV, NO_EXPORT, PY, ROOT, assert_same_weights, losses, run, weights
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -66,7 +66,7 @@ def train_cli(data, out, *overrides):
 
     AcceleratorState._reset_state(True)
     run_cli(train_module.main, ["--config", str(ROOT / "configs/tiny.yaml"), f"distill.data_dirs=[{data}]",
-                                f"distill.out_dir={out}", "wandb.mode=disabled", *overrides])
+                                f"distill.out_dir={out}", "wandb.mode=disabled", NO_EXPORT, *overrides])
 
 
 # ---------------------------------------------------------------- a full disk
@@ -170,7 +170,7 @@ def test_resume_starts_fresh_when_no_checkpoint_loads(data, straight, tmp_path):
 def torchrun_popen(*args):
     cmd = [str(Path(PY).parent / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "distill.train",
            "--config", "configs/tiny.yaml", "wandb.mode=disabled", "distill.eval_every=0", "distill.save_every=0",
-           *args]
+           NO_EXPORT, *args]
     return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

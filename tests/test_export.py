@@ -17,6 +17,7 @@ from decode.hf_baselines import hf_generate
 from decode.runners import make_runner
 from decode.vocab import VocabSubset
 from distill.export.gguf import GGUFExportError, write_gguf_files
+from distill.export.gguf_metadata import GGUFMetadataError, read_metadata
 from distill.export.hf_full import LossyExportError
 from distill.export.run import ExportOptions, IncompleteDraftError, OutputInUseError, export_run
 
@@ -113,6 +114,19 @@ def test_gguf_reads_back_with_the_export_logits_and_the_target_tokenizer(spread_
     for key in tokenizer_keys:
         assert draft_fields[key].contents() == target_fields[key].contents(), key
         assert draft_fields[key].types == target_fields[key].types, key
+    # The export's own metadata reader (distill/export/gguf_metadata.py) reads what the gguf library reads.
+    ours = read_metadata(embedded_gguf())
+    assert list(ours) == [k for k in target_fields if not k.startswith("GGUF.")]
+    for key, field in ours.items():
+        types = target_fields[key].types
+        assert field.value == target_fields[key].contents(), key
+        assert (field.type, field.item_type) == (types[0], types[-1] if len(types) > 1 else None), key
+
+
+def test_metadata_of_a_file_that_is_not_gguf_is_one_error(tmp_path):
+    (tmp_path / "draft.gguf").write_bytes(b"PK\x03\x04 not a gguf")
+    with pytest.raises(GGUFMetadataError, match="not a GGUF file"):
+        read_metadata(tmp_path / "draft.gguf")
 
 
 def test_old_subset_draft_is_refused_unless_lossy_acceptance_is_accepted(tmp_path):

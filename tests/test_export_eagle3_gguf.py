@@ -47,7 +47,7 @@ def test_gguf_holds_the_eagle3_checkpoint(tmp_path):
     assert meta["eagle3.target_layers"] == [1, 3, 4]  # the layers whose input llama.cpp captures
     assert meta["eagle3.target_hidden_size"] == 32 and meta["eagle3.norm_before_fc"] is False
     assert meta["eagle3.vocab_size"] == 16 and meta["eagle3.attention.head_count_kv"] == 2
-    assert all(meta[f.name] == f.contents() for f in fields)  # the target's tokenizer, as llama.cpp checks it
+    assert all(meta[f.name] == f.value for f in fields)  # the target's tokenizer, as llama.cpp checks it
     assert set(tensors) == set(GGUF_NAMES.values()) and "token_embd.weight" not in tensors  # the target's is used
     assert np.array(tensors["d2t"].data).tolist() == SUBSET_IDS  # absolute target ids, not EAGLE-3's offsets
     checkpoint = eagle3_tensors(draft)

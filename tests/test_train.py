@@ -47,13 +47,18 @@ def data(tmp_path_factory):
     return write_scored_shards(tmp_path_factory.mktemp("data"), load_model("tiny:target"))
 
 
+# The serving export at the end of a run (~2 s for a tiny draft, most of such a run) is left to the tests
+# that check it: they pass distill.export=true.
+NO_EXPORT = "distill.export=false"
+
+
 def run(data, out, *overrides):
     """Train in-process on configs/tiny.yaml with overrides; returns the summary."""
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(True)  # each run builds its own Accelerator
     config = load_config(ROOT / "configs/tiny.yaml", [f"distill.data_dirs=[{data}]", f"distill.out_dir={out}",
-                                                      "wandb.mode=disabled", *overrides])
+                                                      "wandb.mode=disabled", NO_EXPORT, *overrides])
     return train(config)
 
 
@@ -84,7 +89,7 @@ def losses(out):
 
 def torchrun(*args, timeout=240):
     cmd = [str(Path(PY).parent / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "distill.train",
-           "--config", "configs/tiny.yaml", *args]
+           "--config", "configs/tiny.yaml", NO_EXPORT, *args]
     result = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result
@@ -391,7 +396,7 @@ def test_spread_other_travels_with_the_trained_draft(data, tmp_path, spread, cap
     # final/, where the decoder and `distill.export --format hf-full` read it (off: the draft is as before).
     # The run then exports for serving engines only the draft that exports exactly.
     run(data, tmp_path, "distill.max_steps=2", "distill.eval_every=0", "distill.save_every=0",
-        f"distill.spread_other={str(spread).lower()}")
+        f"distill.spread_other={str(spread).lower()}", "distill.export=true")
     draft = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
     assert VocabSubset.from_config(draft.config).spread_other is spread
     printed = capsys.readouterr().out
@@ -411,7 +416,7 @@ def test_no_serving_export_when_turned_off_or_interrupted(data, tmp_path):
     steps = ["distill.max_steps=2", "distill.eval_every=0", "distill.save_every=0", "distill.spread_other=true"]
     run(data, tmp_path / "off", *steps, "distill.export=false")
     assert (tmp_path / "off" / "final").is_dir() and not (tmp_path / "off" / "export").exists()
-    run(data, tmp_path / "cut", *steps, "distill.stop_after=1")
+    run(data, tmp_path / "cut", *steps, "distill.stop_after=1", "distill.export=true")
     assert not (tmp_path / "cut" / "final").exists() and not (tmp_path / "cut" / "export").exists()
 
 

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from common.errors import UserError
+from distill.export.gguf_metadata import MetadataField, read_metadata
 
 
 # File name suffix -> (GGUF file type, the type of 2-D weight matrices).
@@ -36,10 +37,9 @@ class GGUFExportError(UserError):
     """A draft or target the GGUF export cannot describe for llama.cpp."""
 
 
-def tokenizer_fields(target_gguf: Path) -> list:
-    """Every `tokenizer.*` field of the target's GGUF (gguf.ReaderField, in file order)."""
-    reader = gguf.GGUFReader(target_gguf)
-    return [field for name, field in reader.fields.items() if name.startswith(TOKENIZER_PREFIX)]
+def tokenizer_fields(target_gguf: Path) -> list[MetadataField]:
+    """Every `tokenizer.*` field of the target's GGUF, in file order."""
+    return [field for name, field in read_metadata(target_gguf).items() if name.startswith(TOKENIZER_PREFIX)]
 
 
 def write_gguf_files(model, fields: list, folder: Path, name: str) -> list[Path]:
@@ -82,8 +82,8 @@ def _check_llama(model, fields: list) -> None:
         raise GGUFExportError("the GGUF export writes bias-free Llama layers; this draft has biases")
     tokens = next((f for f in fields if f.name == "tokenizer.ggml.tokens"), None)
     rows = model.get_input_embeddings().weight.shape[0]
-    if tokens is None or len(tokens.data) != rows:
-        found = "no token list" if tokens is None else f"{len(tokens.data)} tokens"
+    if tokens is None or len(tokens.value) != rows:
+        found = "no token list" if tokens is None else f"{len(tokens.value)} tokens"
         raise GGUFExportError(f"the target's GGUF tokenizer has {found}, the draft {rows} embedding rows: "
                               "llama.cpp needs one row per token")
 
@@ -109,9 +109,7 @@ def add_model_metadata(writer, config, name: str, file_type) -> None:
 
 def _copy_field(writer, field) -> None:
     """One metadata field as the target's file has it (value type, and element type for arrays)."""
-    main_type = field.types[0]
-    sub_type = field.types[-1] if main_type == gguf.GGUFValueType.ARRAY else None
-    writer.add_key_value(field.name, field.contents(), main_type, sub_type=sub_type)
+    writer.add_key_value(field.name, field.value, field.type, sub_type=field.item_type)
 
 
 def llama_tensors(model) -> dict[str, np.ndarray]:
