@@ -1,7 +1,5 @@
 """RELIABILITY 12, 23: configuration errors are clear and happen before any model loads."""
 
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -14,6 +12,7 @@ from common.config import ConfigError, load_config
 from common.errors import UserError
 from common.models import torch_dtype
 from common.sampling import SamplingParams
+from tests.conftest import run_as_main
 
 
 ROOT = Path(__file__).parents[1]
@@ -247,12 +246,11 @@ def test_run_cli_keeps_tracebacks_for_bugs(capsys):
     ("distill.train", ["distill.data_dirs=[no/such/data]"]),
     ("distill.generate", []),
 ])
-def test_entry_points_report_a_mistyped_target_in_one_line(module, args, tmp_path):
-    """Every entry point refuses a mistyped target before loading anything: `error:` and exit 2."""
-    result = subprocess.run([sys.executable, "-m", module, "--config", TINY, f"target={tmp_path}/no-such-target",
-                             f"generate.out_dir={tmp_path}/data", f"distill.out_dir={tmp_path}/run", *args],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 2, result.stderr
-    assert "Traceback" not in result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert errors == [f"error: target: model path '{tmp_path}/no-such-target' does not exist"], result.stderr
+def test_entry_points_report_a_mistyped_target_in_one_line(module, args, tmp_path, capsys):
+    """Every entry point (`python -m module`, run as __main__ in this process) refuses a mistyped target
+    before loading anything: `error:` and exit 2."""
+    stderr = run_as_main(module, "--config", TINY, f"target={tmp_path}/no-such-target",
+                         f"generate.out_dir={tmp_path}/data", f"distill.out_dir={tmp_path}/run", *args, capsys=capsys)
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: target: model path '{tmp_path}/no-such-target' does not exist"], stderr
+

@@ -3,8 +3,6 @@ embedded tokenizer, and the bad inputs refused without a half-written output."""
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import gguf
@@ -20,6 +18,7 @@ from distill.export.gguf import GGUFExportError, write_gguf_files
 from distill.export.gguf_metadata import GGUFMetadataError, read_metadata
 from distill.export.hf_full import LossyExportError
 from distill.export.run import ExportOptions, IncompleteDraftError, OutputInUseError, export_run
+from tests.conftest import run_as_main
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,19 +106,34 @@ def test_gguf_reads_back_with_the_export_logits_and_the_target_tokenizer(spread_
         got = logits_of(loaded, PROMPT)
         assert (got - expected).abs().max() < atol, name
         assert torch.equal(got.argmax(-1), expected.argmax(-1)), name
-    target_fields = gguf.GGUFReader(embedded_gguf()).fields
-    draft_fields = gguf.GGUFReader(out / "draft-f16.gguf").fields
+    # llama.cpp compares the draft's tokenizer with the target's: every `tokenizer.*` field is copied as it was.
+    target_fields, draft_fields = read_metadata(embedded_gguf()), read_metadata(out / "draft-f16.gguf")
     tokenizer_keys = [k for k in target_fields if k.startswith("tokenizer.")]
-    assert tokenizer_keys and tokenizer_keys == [k for k in draft_fields if k.startswith("tokenizer.")]
-    for key in tokenizer_keys:
-        assert draft_fields[key].contents() == target_fields[key].contents(), key
-        assert draft_fields[key].types == target_fields[key].types, key
-    # The export's own metadata reader (distill/export/gguf_metadata.py) reads what the gguf library reads.
-    ours = read_metadata(embedded_gguf())
-    assert list(ours) == [k for k in target_fields if not k.startswith("GGUF.")]
+    assert len(tokenizer_keys) > 5 and tokenizer_keys == [k for k in draft_fields if k.startswith("tokenizer.")]
+    assert all(draft_fields[k] == target_fields[k] for k in tokenizer_keys)
+    assert len(draft_fields["tokenizer.ggml.tokens"].value) == FULL_VOCAB
+
+
+def test_metadata_reader_reads_what_the_gguf_library_reads(tmp_path):
+    """distill/export/gguf_metadata.py against gguf.GGUFReader on a file holding every value type."""
+    path, kinds = tmp_path / "kinds.gguf", gguf.GGUFValueType
+    writer = gguf.GGUFWriter(path, "llama")
+    scalars = {kinds.UINT8: 200, kinds.INT8: -3, kinds.UINT16: 60000, kinds.INT16: -300, kinds.UINT32: 2**31,
+               kinds.INT32: -2**30, kinds.FLOAT32: 0.25, kinds.BOOL: True, kinds.UINT64: 2**40,
+               kinds.INT64: -2**40, kinds.FLOAT64: 1e-300, kinds.STRING: "Ġthe ü 日本"}
+    for kind, value in scalars.items():
+        writer.add_key_value(f"x.{kind.name.lower()}", value, kind)
+        writer.add_key_value(f"x.{kind.name.lower()}s", [value] * 3, kinds.ARRAY, sub_type=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    library = {k: f for k, f in gguf.GGUFReader(path).fields.items() if not k.startswith("GGUF.")}
+    ours = read_metadata(path)
+    assert list(ours) == list(library) and len(ours) == 2 * len(scalars) + 1  # + general.architecture
     for key, field in ours.items():
-        types = target_fields[key].types
-        assert field.value == target_fields[key].contents(), key
+        types = library[key].types
+        assert field.value == library[key].contents(), key
         assert (field.type, field.item_type) == (types[0], types[-1] if len(types) > 1 else None), key
 
 
@@ -198,9 +212,7 @@ def test_gguf_of_another_target_needs_its_gguf(tmp_path):
         export_run(run, tmp_path / "out", "gguf", target=str(target_dir))
 
 
-def test_cli_reports_a_bad_export_in_one_line(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "distill.export", "--run", str(tmp_path), "--out",
-                             str(tmp_path / "out"), "--format", "hf-full"], cwd=ROOT, capture_output=True,
-                            text=True, timeout=120)
-    assert result.returncode == 2
-    assert result.stderr.strip().startswith("error:") and "does not exist" in result.stderr
+def test_cli_reports_a_bad_export_in_one_line(tmp_path, capsys):
+    stderr = run_as_main("distill.export", "--run", str(tmp_path), "--out", str(tmp_path / "out"), "--format",
+                         "hf-full", capsys=capsys)
+    assert stderr.strip().startswith("error:") and "does not exist" in stderr and "\n" not in stderr.strip()
