@@ -24,6 +24,7 @@ from decode.vocab import VocabSubset
 from distill.checkpoint import latest_checkpoint
 from distill.data import DataError, StepSampler, load_examples, mixture_quotas
 from distill.disk import DiskFullError
+from distill.export.__main__ import main as export_main
 from distill.train import train
 from distill.training.recipe import NonFiniteError
 from distill.training.resume import changed_settings
@@ -311,8 +312,7 @@ def test_a_shard_that_differs_from_the_manifest_is_refused(tmp_path):
 
 def test_export_of_a_finished_run_is_the_draft_it_trained(reference, tmp_path):
     out = tmp_path / "hf"
-    subprocess.run([PY, "-m", "distill.export", "--run", str(reference), "--out", str(out)], cwd=ROOT, env=ENV,
-                   check=True, capture_output=True, timeout=120)
+    export_main(["--run", str(reference), "--out", str(out)])  # `python -m distill.export`, in this process
     assert_same_weights(out, reference / "final", atol=0)
     exported, trained = (VocabSubset.from_config(AutoModelForCausalLM.from_pretrained(p).config)
                          for p in (out, reference / "final"))
