@@ -10,7 +10,8 @@ from decode.runners import make_runner, projection
 from decode.runners.hf import HFRunner
 from decode.runners.lean import CACHE_CHUNK, LeanRunner
 from decode.runners.llama import lean_supported
-from decode.runners.projection import LAYOUTS, TIMED_ROWS, Projection, tune_layouts
+from decode.runners.projection import (BATCHED_TIMED_ROWS, LAYOUTS, TIMED_ROWS, CastProjection, Projection,
+                                       tune_batched_layouts, tune_layouts)
 from decode.vocab import VocabSubset
 
 
@@ -81,6 +82,44 @@ def test_projection_layouts_compute_x_times_w_transposed(layouts, with_bias):
     rows = torch.randn(3, 4, 576, generator=gen)  # batched rows [b, L, in]: one matmul of b * L rows
     expected = rows @ w.T if bias is None else rows @ w.T + bias
     torch.testing.assert_close(proj(rows), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["linear", "packed"])
+def test_batched_projection_layouts_compute_x_times_w_transposed(layout):
+    """A batched projection gives x @ w.T + bias for [rows, in] and [b, L, in] through either layout."""
+    gen = torch.Generator().manual_seed(0)
+    w, bias = torch.randn(300, 576, generator=gen) / 576**0.5, torch.randn(300, generator=gen)
+    proj = CastProjection(w, bias, None)
+    proj.use(layout)
+    assert (proj.packed is not None) == (layout == "packed")
+    for x in (torch.randn(1, 576, generator=gen), torch.randn(70, 576, generator=gen),
+              torch.randn(3, 5, 576, generator=gen)):
+        torch.testing.assert_close(proj(x), x @ w.T + bias, atol=1e-5, rtol=1e-5)
+
+
+def test_batched_projection_keeps_the_layout_timed_fastest(monkeypatch):
+    """Per weight shape, the faster of F.linear and packed at BATCHED_TIMED_ROWS rows, timed once over
+    every weight of that shape; a packed copy stays only where packed won; bf16 GEMMs are not timed."""
+    timed = []
+
+    def seconds(group, layout, x):
+        timed.append((tuple(group[0].w.shape), layout, len(group), x.shape[0]))
+        return 1.0 if (layout == "packed") == (group[0].w.shape[0] == 40) else 2.0
+
+    monkeypatch.setattr(projection, "_seconds_per_pass", seconds)
+    monkeypatch.setattr(projection, "_measured", {})
+    packed = [CastProjection(torch.randn(40, 24), None, None) for _ in range(2)]
+    linear = CastProjection(torch.randn(24, 40), None, None)
+    bf16 = CastProjection(torch.randn(40, 24), None, torch.bfloat16)
+    tune_batched_layouts(packed + [linear, bf16])
+    assert [p.layout for p in packed + [linear, bf16]] == ["packed", "packed", "linear", "linear"]
+    assert all(p.packed is not None for p in packed) and linear.packed is None and bf16.packed is None
+    assert sorted(timed) == sorted((shape, layout, n, BATCHED_TIMED_ROWS) for shape, n in (((40, 24), 2), ((24, 40), 1))
+                                   for layout in ("linear", "packed"))
+    timed.clear()
+    again = CastProjection(torch.randn(40, 24), None, None)
+    tune_batched_layouts([again])
+    assert again.layout == "packed" and not timed  # measured once per shape
 
 
 def test_projection_keeps_the_layout_measured_fastest(monkeypatch):

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from decode.runners.llama import LlamaCore
-from decode.runners.projection import CastProjection
+from decode.runners.projection import CastProjection, tune_batched_layouts
+
 
 # Prefill at most this many (row x token) positions per forward: bounds activation memory
 # (fp32 SmolLM2: 8192 positions x 3072 gate/up units x 4 B = 100 MB) and keeps GEMMs large.
@@ -93,6 +94,7 @@ class LeanBatchedRunner:
         weight matrices; the residual stream, norms, attention and logits keep the model's dtype."""
         head_rows = model.lm_head.weight.shape[0]  # every row: padded ones too (never sampled by design)
         self.core = LlamaCore(model, head_rows, lambda w, bias: CastProjection(w, bias, matmul_dtype))
+        tune_batched_layouts(self.core.projections())
         self.cache: BatchedCache | None = None
 
     @torch.inference_mode()
