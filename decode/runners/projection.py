@@ -136,7 +136,7 @@ class CastProjection:
         dtype = matmul_dtype or w.dtype
         self.w = w.detach().to(dtype)
         self.bias = None if bias is None else bias.detach().to(dtype)
-        self.key = (tuple(w.shape), bias is not None, torch.get_num_threads())
+        self.key = ("batched", tuple(w.shape), bias is not None, torch.get_num_threads())
         self.packed: torch.Tensor | None = None
         self.layout = "linear"
 
@@ -160,6 +160,7 @@ class CastProjection:
         return self.run("linear", x)
 
     def run(self, layout: str, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in] -> [M, out] through one layout ("packed": fp32 x only)."""
         if layout == "packed":
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
         return F.linear(x.to(self.w.dtype), self.w, self.bias).to(x.dtype)
@@ -181,11 +182,10 @@ def tune_batched_layouts(projections: list[CastProjection]) -> None:
         if projection.packable:
             groups.setdefault(projection.key, []).append(projection)
     for key, group in groups.items():
-        if ("batched",) + key not in _measured:
+        if key not in _measured:
             for projection in group:
                 projection.use("packed")
             x = torch.randn(BATCHED_TIMED_ROWS, group[0].w.shape[1], generator=torch.Generator().manual_seed(0))
-            _measured[("batched",) + key] = (min(("linear", "packed"),
-                                                 key=lambda name: _seconds_per_pass(group, name, x)),)
+            _measured[key] = (min(("linear", "packed"), key=lambda name: _seconds_per_pass(group, name, x)),)
         for projection in group:
-            projection.use(_measured[("batched",) + key][0])
+            projection.use(_measured[key][0])
