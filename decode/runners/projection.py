@@ -58,21 +58,29 @@ def tune_layouts(projections: list[Projection]) -> None:
     """Give each projection without given layouts its shape's fastest layout per TIMED_ROWS, timed here
     over all projections of that shape (once per process, shape and thread count); unused packed copies
     are dropped. About 2 s for SmolLM2-135M on 2 cores."""
-    groups: dict[tuple, list[Projection]] = {}
+    def fastest(group: list[Projection]) -> tuple[str, ...]:
+        gen = torch.Generator().manual_seed(0)
+        candidates = [name for name in LAYOUTS if name != "packed" or group[0].packed is not None]
+        chosen = []
+        for m in TIMED_ROWS:
+            x = torch.randn(m, group[0].w.shape[1], generator=gen, dtype=group[0].w.dtype)
+            chosen.append(min(candidates, key=lambda name: _seconds_per_pass(group, name, x)))
+        return tuple(chosen)
+
+    _tune_per_shape([p for p in projections if p.tunable], fastest, Projection.set_layouts)
+
+
+def _tune_per_shape(projections: list, fastest, apply) -> None:
+    """Group projections by `key` (shape, bias, threads); `fastest(group)` is measured once per key and
+    process (`_measured`), and `apply(projection, choice)` gives it to every projection of the group."""
+    groups: dict[tuple, list] = {}
     for projection in projections:
-        if projection.tunable:
-            groups.setdefault(projection.key, []).append(projection)
+        groups.setdefault(projection.key, []).append(projection)
     for key, group in groups.items():
         if key not in _measured:
-            gen = torch.Generator().manual_seed(0)
-            candidates = [name for name in LAYOUTS if name != "packed" or group[0].packed is not None]
-            chosen = []
-            for m in TIMED_ROWS:
-                x = torch.randn(m, group[0].w.shape[1], generator=gen, dtype=group[0].w.dtype)
-                chosen.append(min(candidates, key=lambda name: _seconds_per_pass(group, name, x)))
-            _measured[key] = tuple(chosen)
+            _measured[key] = fastest(group)
         for projection in group:
-            projection.set_layouts(_measured[key])
+            apply(projection, _measured[key])
 
 
 class Projection:
@@ -177,15 +185,10 @@ def tune_batched_layouts(projections: list[CastProjection]) -> None:
     """Give each CPU fp32 projection the faster of F.linear and oneDNN's packed weights at
     BATCHED_TIMED_ROWS rows, timed over all projections of its shape (once per process and shape).
     A packed copy (this weight's memory again) is kept only where it won."""
-    groups: dict[tuple, list[CastProjection]] = {}
-    for projection in projections:
-        if projection.packable:
-            groups.setdefault(projection.key, []).append(projection)
-    for key, group in groups.items():
-        if key not in _measured:
-            for projection in group:
-                projection.use("packed")
-            x = torch.randn(BATCHED_TIMED_ROWS, group[0].w.shape[1], generator=torch.Generator().manual_seed(0))
-            _measured[key] = (min(("linear", "packed"), key=lambda name: _seconds_per_pass(group, name, x)),)
+    def fastest(group: list[CastProjection]) -> str:
         for projection in group:
-            projection.use(_measured[key][0])
+            projection.use("packed")
+        x = torch.randn(BATCHED_TIMED_ROWS, group[0].w.shape[1], generator=torch.Generator().manual_seed(0))
+        return min(("linear", "packed"), key=lambda name: _seconds_per_pass(group, name, x))
+
+    _tune_per_shape([p for p in projections if p.packable], fastest, CastProjection.use)
