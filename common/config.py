@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -24,6 +25,9 @@ from common.config_checks import suggest
 from common.config_eval import EnginesConfig, EvalConfig, WandbConfig
 from common.config_training import DistillConfig, GenerateConfig, OnPolicyConfig
 from common.errors import UserError
+
+
+_EXPONENT_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 class ConfigError(UserError):
@@ -111,6 +115,8 @@ def _coerce(value, annotation, where: str):
         return {_coerce(k, key_t, where): _coerce(v, val_t, f"{where}.{k}") for k, v in value.items()}
     if annotation is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
+    if annotation is float and isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value.strip()):
+        return float(value)  # YAML 1.1 reads 1e-4 as a string (only 1.0e-4 is a float there)
     if annotation in (int, str, bool) and isinstance(value, annotation) and not (
             annotation is int and isinstance(value, bool)):
         return value

@@ -160,6 +160,11 @@ class DistillConfig:
     and the decoder samples it over the full vocabulary. At the demo's budget it kept held-out acceptance
     (τ(4) 1.378 vs 1.385) and decoded at least as fast. false: the decoder renormalises over the subset
     and the draft exports only lossily. A feature draft's head has no "other" row: ignored there."""
+    outside_rank: int = 0
+    """With a spread_other vocab_subset (standalone drafts): give each token outside the subset a logit of its own,
+    the "other" row's plus a rank-r correction (r more head rows and a [V - N, r] factor, counted in param_ratio),
+    so the draft covers the whole vocabulary and still exports exactly as a plain full-vocabulary model. Also
+    with distill.init=<a spread subset draft>: the correction starts at 0. 0 = one shared "other" logit."""
     embed_init: str = "target"
     """'target' initialises draft embeddings from a low-rank projection of the target's (a feature draft:
     its head from the target's head rows of the subset and its final norm); 'random' does not."""
@@ -254,6 +259,13 @@ class DistillConfig:
             out.append("distill.lora_rank > 0 needs a pretrained distill.init (LoRA on a random draft is pointless)")
         if self.init != "scratch" and self.vocab_subset:
             out.append("distill.vocab_subset works with init=scratch only (a pretrained head has the full vocabulary)")
+        if self.outside_rank < 0:
+            out.append(f"distill.outside_rank={self.outside_rank} must be >= 0 (0 = one shared \"other\" logit)")
+        elif self.outside_rank and (self.draft_kind != "standalone" or not self.spread_other or self.lora_rank
+                                    or (self.init == "scratch" and not self.vocab_subset)):
+            out.append("distill.outside_rank > 0 factors the outside rows of a standalone vocabulary-subset draft: "
+                       "it needs distill.draft_kind=standalone, distill.spread_other=true and distill.vocab_subset > 0 "
+                       "(or distill.init=<a subset draft>, without lora_rank)")
         if not 0 <= self.filter_hardest < 1:
             out.append(f"distill.filter_hardest={self.filter_hardest} must be in [0, 1)")
         if not 0 < self.jsd_beta < 1:

@@ -27,6 +27,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from common.errors import UserError
+from decode.vocab import load_outside_factors
 
 
 EMBEDDED = "embedded:smollm2-135m-instruct"
@@ -123,6 +124,7 @@ def load_model(ref: str, device: str | torch.device = "cpu", dtype: torch.dtype 
     else:
         path = embedded_dir() if ref == EMBEDDED else ref
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        load_outside_factors(model, path)  # a draft's factored outside rows (decode/vocab.py)
     return model.to(device=device, dtype=dtype).eval()
 
 

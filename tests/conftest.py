@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from decode.drafts.feature.model import FeatureDraft, FeatureDraftConfig
-from decode.vocab import VocabSubset
+from decode.vocab import VocabSubset, attach_outside_factors
 
 
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -42,6 +42,17 @@ def subset_llama(vocab_ids: list[int], full_vocab_size: int, seed: int = 1,
     draft = small_llama(vocab_size=len(vocab_ids) + 1, seed=seed)
     VocabSubset(vocab_ids, full_vocab_size, spread_other=spread_other).write_to(draft.config)
     return draft
+
+
+def factored_llama(vocab_ids: list[int], full_vocab_size: int, rank: int = 3, seed: int = 1) -> LlamaForCausalLM:
+    """A spread subset draft with factored outside rows (decode/vocab.py): r basis rows after "other" and random
+    factors U, so every outside token has a logit of its own."""
+    subset = VocabSubset(vocab_ids, full_vocab_size, spread_other=True, outside_rank=rank)
+    draft = small_llama(vocab_size=subset.head_rows, seed=seed)
+    subset.write_to(draft.config)
+    generator = torch.Generator().manual_seed(seed)
+    attach_outside_factors(draft, torch.randn(len(subset.outside_ids), rank, generator=generator))
+    return draft.eval()
 
 
 def random_feature_draft(target: LlamaForCausalLM, draft_ids: list[int] | None = None, target_layers=(0, 1),

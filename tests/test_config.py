@@ -44,6 +44,14 @@ def test_overrides_are_typed_and_nested():
     assert isinstance(cfg.generate.temperature, float)
 
 
+def test_floats_in_exponent_form_without_a_dot_are_floats():
+    """YAML 1.1 reads 1e-4 as a string; a float setting takes it as the number it means."""
+    cfg = load_config(TINY, ["distill.lr=1e-4", "distill.weight_decay=5E-2"])
+    assert cfg.distill.lr == 1e-4 and cfg.distill.weight_decay == 0.05
+    with pytest.raises(ConfigError, match="distill.lr: expected float, got str '1e-4x'"):
+        load_config(TINY, ["distill.lr=1e-4x"])
+
+
 def test_a_mapping_given_whole_replaces_a_setting_and_merges_into_a_section():
     preset = ROOT / "configs/smollm2.yaml"  # distill.loss: {forward_kl: 1.0}
     assert load_config(preset, ["distill.loss={tvd: 1.0}"]).distill.loss == {"tvd": 1.0}

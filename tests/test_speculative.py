@@ -18,7 +18,7 @@ from decode.runners.hf import HFRunner
 from decode.speculative import speculative_decode, target_decode, verify_block
 from decode.stats import SpeculativeStats
 from tests.chi2 import continuations, target_only, two_sample_pvalue
-from tests.conftest import negated_copy, small_llama, subset_llama
+from tests.conftest import factored_llama, negated_copy, small_llama, subset_llama
 
 
 PROMPT = torch.tensor([[0, 3, 7, 2, 9]])
@@ -32,12 +32,15 @@ SUBSET_IDS = [0, 1, 2, 3, 5, 7, 9, 11, 13]
 
 
 @pytest.mark.parametrize("warp", [dict(temperature=1.0), dict(temperature=0.7, top_k=5, top_p=0.9)])
-@pytest.mark.parametrize("draft_kind", ["full", "subset", "spread"])
+@pytest.mark.parametrize("draft_kind", ["full", "subset", "spread", "factored"])
 def test_sequence_distribution_matches_target(pair, warp, draft_kind):
     """Two-sample χ² on the joint histogram of 3-token continuations ("spread": a subset draft whose
-    "other" logit stands at every outside id, so it proposes outside tokens too)."""
+    "other" logit stands at every outside id, so it proposes outside tokens too; "factored": each outside
+    id with a logit of its own)."""
     target, draft = pair
-    if draft_kind != "full":
+    if draft_kind == "factored":
+        draft = factored_llama(SUBSET_IDS, 16)
+    elif draft_kind != "full":
         draft = subset_llama(SUBSET_IDS, 16, spread_other=draft_kind == "spread")
     t_runner, proposer = make_runner(target, 16), DraftProposer(make_runner(draft, 16))
     sampling = SamplingParams(**warp)

@@ -11,6 +11,9 @@ import copy
 import shutil
 from pathlib import Path
 
+from safetensors.torch import save_file
+
+from decode.vocab import FACTORS_NAME, OUTSIDE_FILE
 from distill.disk import reporting_full_disk
 
 
@@ -28,11 +31,21 @@ def export_hf(model, tokenizer, path: str | Path, extra_files: dict[str, str] | 
         if hasattr(model, "merge_and_unload"):
             copy.deepcopy(model).merge_and_unload().save_pretrained(tmp)
         else:
-            model.save_pretrained(tmp, state_dict=state_dict)
+            _save_model(model, tmp, state_dict)
         tokenizer.save_pretrained(tmp)
         _add_files(tmp, extra_files or {})
     _replace_dir(tmp, path)
     return path
+
+
+def _save_model(model, folder: Path, state_dict: dict | None) -> None:
+    """save_pretrained, with a factored draft's outside factors in a file of their own (decode/vocab.py),
+    so that HF tools find in model.safetensors exactly the weights of the model class its config names."""
+    state = dict(model.state_dict() if state_dict is None else state_dict)
+    factors = state.pop(FACTORS_NAME, None)
+    model.save_pretrained(folder, state_dict=state)
+    if factors is not None:
+        save_file({FACTORS_NAME: factors.detach().contiguous()}, folder / OUTSIDE_FILE)
 
 
 def copy_hf(src: Path, dst: Path, extra_files: dict[str, str]) -> Path:

@@ -8,6 +8,10 @@ outside id the "other" row's input embedding and head row (the same rows when ti
 whose full-vocabulary distribution is exactly the one the draft was trained to, and the one this
 project's decoder samples from: native and exported acceptance match.
 
+With factored outside rows (decode/vocab.py) the outside ids' head rows are w_other + U_j P, materialised;
+they read the "other" row on input as before, so input embedding and head are untied in the export (each
+[V, hidden]).
+
 An older subset draft's "other" logit is the outside MASS, and its decoder gives the outside tokens
 probability 0. No full-vocabulary Llama gives exactly that (a bias-free linear head cannot put -inf
 at V - N ids), so its export is refused unless the caller accepts a different draft distribution
@@ -23,7 +27,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from common.errors import UserError
-from decode.vocab import VocabSubset
+from decode.vocab import FACTORS_NAME, VocabSubset
 
 
 class LossyExportError(UserError):
@@ -51,23 +55,31 @@ def full_vocab_model(draft: torch.nn.Module, lossy_acceptance: bool = False) -> 
     config = copy.deepcopy(draft.config)
     VocabSubset.remove_from(config)
     config.vocab_size = subset.full_vocab_size
+    if subset.factored:
+        config.tie_word_embeddings = False
     full = AutoModelForCausalLM.from_config(config, dtype=next(draft.parameters()).dtype)
-    _copy_expanded_weights(draft, full, subset.input_rows.cpu())
+    _copy_expanded_weights(draft, full, subset)
     full.generation_config = copy.deepcopy(draft.generation_config)
     return full.eval()
 
 
 @torch.no_grad()
-def _copy_expanded_weights(draft, full, rows: torch.Tensor) -> None:
-    """Every weight of `draft` into `full`; embedding (and an untied head) expanded from N + 1 rows to
-    V by `rows` [V] (full id -> draft row: outside ids read the "other" row)."""
+def _copy_expanded_weights(draft, full, subset: VocabSubset) -> None:
+    """Every weight of `draft` into `full`; embedding (and an untied head) expanded from the draft's rows to
+    V (outside ids read the "other" row); factored outside rows materialised in the head."""
     embed_names = {"model.embed_tokens.weight", "lm_head.weight"}
-    state = {name: value for name, value in draft.state_dict().items() if name not in embed_names}
+    state = {name: value for name, value in draft.state_dict().items()
+             if name not in embed_names and name != FACTORS_NAME}
     missing, unexpected = full.load_state_dict(state, strict=False)
     if unexpected or set(missing) - embed_names:
         raise ValueError(f"cannot map the draft's weights onto a full-vocabulary copy: missing "
                          f"{sorted(set(missing) - embed_names)}, unexpected {sorted(unexpected)}")
+    rows = subset.input_rows.cpu()  # full id -> draft row
     full.get_input_embeddings().weight.copy_(draft.get_input_embeddings().weight[rows])
     head, draft_head = full.get_output_embeddings().weight, draft.get_output_embeddings().weight
-    if head.data_ptr() != full.get_input_embeddings().weight.data_ptr():  # untied: its own rows
+    if subset.factored:
+        basis = draft_head[subset.other_row + 1:subset.head_rows]  # P [r, hidden]
+        outside = draft_head[subset.other_row] + subset.outside_factors.to(draft_head.dtype) @ basis  # [V - N, hidden]
+        head.copy_(torch.cat([draft_head[: subset.size], outside])[subset.full_columns.cpu()])
+    elif head.data_ptr() != full.get_input_embeddings().weight.data_ptr():  # untied: its own rows
         head.copy_(draft_head[rows])

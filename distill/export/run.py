@@ -203,7 +203,7 @@ def _read_record(path: Path) -> dict | None:
 
 def load_draft(folder: Path, target: str | None) -> Draft:
     """The saved draft, its tokenizer and the target's, refused when the two tokenizers differ."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     run_files = {name: (folder / name).read_text() for name in RUN_FILES if (folder / name).is_file()}
     target_ref = target or _run_target(run_files.get("config.yaml"), folder)
@@ -217,7 +217,7 @@ def load_draft(folder: Path, target: str | None) -> Draft:
         target = target_config(target_ref)
         check_target(model.config, target, target.vocab_size)
     else:
-        model = AutoModelForCausalLM.from_pretrained(folder).eval()
+        model = load_model(str(folder))  # with a factored draft's outside rows (decode/vocab.py)
     return Draft(folder, model, tokenizer, target_tokenizer, target_ref, run_files)
 
 

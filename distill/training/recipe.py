@@ -24,7 +24,7 @@ from common.config import config_to_dict
 from common.models import check_tokenizers, load_model, load_tokenizer, param_count, resolve_device
 from common.precision import resolve_dtype
 from common.progress import expectation
-from decode.drafts.standalone.build import build_pretrained_draft, build_scratch_draft
+from decode.drafts.standalone.build import add_outside_rows, build_pretrained_draft, build_scratch_draft
 from decode.vocab import VocabSubset
 from distill.checkpoint import TrainState, latest_checkpoint, load_newest_loadable, save_checkpoint
 from distill.data import StepSampler, collate, load_examples
@@ -138,7 +138,7 @@ class DistillRecipe:
         dc = self.dc
         if dc.init == "scratch":
             subset = choose_subset(target, self.tokenizer, self.train_set, self.eval_set, dc.vocab_subset,
-                                   dc.spread_other, self.say) if dc.vocab_subset else None
+                                   dc.spread_other, self.say, dc.outside_rank) if dc.vocab_subset else None
             self.draft, shape = build_scratch_draft(target, dc.param_ratio, dc.num_layers, subset, dc.embed_init,
                                                     self.config.seed)
             self.say(f"draft: {shape.num_layers} layers, hidden {shape.hidden_size}, mlp {shape.intermediate_size}, "
@@ -148,6 +148,8 @@ class DistillRecipe:
         else:
             check_tokenizers(self.tokenizer, load_tokenizer(dc.init))
             self.draft = build_pretrained_draft(dc.init, dc.lora_rank, self.config.seed)
+            if dc.outside_rank:
+                add_outside_rows(self.draft, dc.outside_rank, self.config.seed)
             trainable = sum(p.numel() for p in self.draft.parameters() if p.requires_grad)
             self.say(f"draft: {dc.init} ({param_count(self.draft) / 1e6:.2f}M params, "
                      f"{trainable / 1e6:.2f}M trainable)")
@@ -239,8 +241,8 @@ class DistillRecipe:
         target = self.teacher.targets(batch)
         draft_logp, target_logp = self.teacher.buckets(logits, target)
         labels = batch["labels"][batch["loss_mask"]]
-        if self.teacher.subset is not None:
-            labels = self.teacher.subset.rows(labels)  # tokens outside the subset train the "other" row
+        if self.teacher.row_subset is not None:
+            labels = self.teacher.row_subset.rows(labels)  # tokens outside the subset train the "other" row
         mask = torch.ones_like(labels, dtype=torch.bool)
         loss_sum = mixed_loss(self.dc.loss, draft_logp, target_logp, logits, labels, mask, self.dc.jsd_beta,
                               self.dc.kd_temperature, self.dc.lk_eta, self.dc.filter_hardest)

@@ -49,10 +49,13 @@ def keep_positions(batch: dict) -> torch.Tensor:
 def draft_logits(model, batch: dict, subset: VocabSubset | None) -> torch.Tensor:
     """Draft logits at the loss positions, fp32 [N, V_draft], whose softmax is the draft's training
     distribution (a spread_other subset draft's "other" row counted once per outside token:
-    VocabSubset.bucket_logits), so every loss, cross-entropy included, trains what the decoder and
-    the export use. The head runs only from the first completion position on."""
+    VocabSubset.bucket_logits; with factored outside rows, the full vocabulary's), so every loss,
+    cross-entropy included, trains what the decoder and the export use. The head runs only from the
+    first completion position on."""
     logits = draft_row_logits(model, batch, subset)
-    return logits if subset is None else subset.bucket_logits(logits)
+    if subset is None:
+        return logits
+    return subset.full_logits(logits) if subset.factored else subset.bucket_logits(logits)
 
 
 def draft_row_logits(model, batch: dict, subset: VocabSubset | None) -> torch.Tensor:
@@ -69,6 +72,9 @@ class Teacher:
         self.kind = kind
         self.subset = subset
         """The draft's vocabulary subset (on the training device), or None for a full-vocabulary draft."""
+        self.row_subset = subset if subset is not None and not subset.factored else None
+        """The subset whose rows draft_logits' columns are; None when they are token ids (a full-vocabulary
+        draft, or factored outside rows: logits over the full vocabulary)."""
         self.target = target  # frozen, eval mode; online only
         if target is not None:
             target.requires_grad_(False)
@@ -87,23 +93,24 @@ class Teacher:
     def buckets(self, draft_logits: torch.Tensor, target: TargetBatch):
         """(draft_logp, target_logp) on a common support, both [N, B]."""
         if target.logits is None:
-            rows = target.topk_ids if self.subset is None else self.subset.output_rows[target.topk_ids]
+            rows = target.topk_ids if self.row_subset is None else self.row_subset.output_rows[target.topk_ids]
             # A full-vocabulary draft narrower than the target's padded vocabulary cannot emit those ids.
             rows = torch.where(rows < draft_logits.shape[-1], rows, -1)
             return topk_buckets(draft_logits, rows, target.topk_logp)
-        if self.subset is None:
+        if self.row_subset is None:
             return full_vocab_buckets(draft_logits, target.logits)
-        return subset_buckets(draft_logits, target.logits, self.subset.ids)
+        return subset_buckets(draft_logits, target.logits, self.row_subset.ids)
 
     @property
     def spread_other(self) -> bool:
-        """Whether the draft's "other" row is the logit of each outside token (decode/vocab.py)."""
-        return self.subset is not None and self.subset.spread_other
+        """Whether draft_logits' last column is a spread "other" row, the logit of each outside token
+        (decode/vocab.py)."""
+        return self.row_subset is not None and self.row_subset.spread_other
 
     def decode_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """The draft as the decoder uses it at T = 1: an old subset draft's "other" row never wins or
         gets mass; a spread draft's stands for the outside tokens, as in training."""
-        if self.subset is None or self.spread_other:
+        if self.row_subset is None or self.spread_other:
             return draft_logits
         return torch.cat([draft_logits[:, :-1], torch.full_like(draft_logits[:, -1:], float("-inf"))], -1)
 
@@ -113,6 +120,6 @@ class Teacher:
         logits = self.decode_logits(draft_logits)
         if self.spread_other:
             logits = logits.clone()
-            logits[:, -1] -= self.subset.other_log_count
+            logits[:, -1] -= self.row_subset.other_log_count
         rows = logits.argmax(-1)
-        return rows if self.subset is None else self.subset.token_ids(rows)
+        return rows if self.row_subset is None else self.row_subset.token_ids(rows)

@@ -14,6 +14,10 @@ tokens always in). Embedding and tied head have N + 1 rows; row N ("other") stan
 token outside the subset on input, and on output for each of them (spread_other, what training
 builds now: decode/vocab.py), so a full-vocabulary copy of the draft gives the same distribution.
 The row <-> id map is a decode.vocab.VocabSubset, written into the draft's HF config by its `write_to`.
+
+Factored outside rows (outside_rank = r): r more head rows and a [V - N, r] factor give every outside token
+a logit of its own (decode/vocab.py); they count in the parameter budget (an 8,192-token subset of SmolLM2 at
+r = 8 adds 41k x 8 = 328k factors + 8 rows), so the layers get narrower where they do not fit.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from common.models import param_count
-from decode.vocab import VocabSubset
+from decode.vocab import VocabSubset, attach_outside_factors
 
 
 @dataclass
@@ -86,8 +90,9 @@ def _meta_params(config: LlamaConfig) -> int:
 
 
 def choose_shape(target_config, target_params: int, param_ratio: float, num_layers: int,
-                 vocab_rows: int) -> tuple[LlamaConfig, DraftShape]:
-    """The draft config whose parameter count is closest to param_ratio x target_params."""
+                 vocab_rows: int, extra_params: int = 0) -> tuple[LlamaConfig, DraftShape]:
+    """The draft config whose parameter count (+ extra_params held outside the Llama: factored outside
+    rows) is closest to param_ratio x target_params."""
     if not 0.01 <= param_ratio <= 0.03:
         warnings.warn(f"param_ratio={param_ratio:.3f} is outside the usual 1-3% of the target's parameters")
     budget = param_ratio * target_params
@@ -97,7 +102,7 @@ def choose_shape(target_config, target_params: int, param_ratio: float, num_laye
     while True:
         config = _shape_config(target_config, hidden, num_layers, vocab_rows)
         if config is not None:
-            params = _meta_params(config)
+            params = _meta_params(config) + extra_params
             if best is None or abs(params - budget) < abs(best[1] - budget):
                 best = (config, params)
             if params > budget:
@@ -125,10 +130,8 @@ def project_embeddings(target_embed: torch.Tensor, width: int, rows: torch.Tenso
     random (std init_std). Returns [len(rows) (+1), width] or [V, width]."""
     embed = target_embed.float()
     chosen = embed if rows is None else embed[rows]  # [N, H]
-    gram = chosen.T @ chosen  # [H, H]
-    _, vectors = torch.linalg.eigh(gram)  # ascending eigenvalues
     keep = min(width, embed.shape[1])
-    basis = vectors[:, -keep:].flip(-1)  # [H, keep], largest first
+    basis = _projection_basis(chosen, keep)
     out = torch.randn(chosen.shape[0], width, generator=generator) * init_std
     out[:, :keep] = chosen @ basis
     if rows is None:
@@ -141,6 +144,52 @@ def project_embeddings(target_embed: torch.Tensor, width: int, rows: torch.Tenso
     return torch.cat([out, other])
 
 
+def _projection_basis(rows: torch.Tensor, keep: int) -> torch.Tensor:
+    """[H, keep]: the top right-singular vectors of rows [N, H], largest first, from the eigendecomposition
+    of the H x H Gram matrix (cheap: H = 576 for SmolLM2)."""
+    _, vectors = torch.linalg.eigh(rows.T @ rows)  # ascending eigenvalues
+    return vectors[:, -keep:].flip(-1)
+
+
+@torch.no_grad()
+def factor_outside_rows(target_embed: torch.Tensor, width: int, subset: VocabSubset, init_std: float,
+                        generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Initial basis rows P [r, width] and factors U [V - N, r] of factored outside rows: the best rank-r fit
+    (truncated SVD) of the outside tokens' projected target embeddings (as project_embeddings projects the
+    subset's) less their mean, the "other" row. At step 0 outside token j's head row w_other + U_j P is then
+    close to its own projected embedding, as the subset rows are. Dims beyond the target's are random."""
+    embed = target_embed.float()
+    keep = min(width, embed.shape[1])
+    outside = embed[subset.outside_ids.cpu()] @ _projection_basis(embed[subset.ids.cpu()], keep)  # [V - N, keep]
+    u, s, vt = torch.linalg.svd(outside - outside.mean(0), full_matrices=False)
+    rank = subset.outside_rank
+    root = s[:rank].sqrt()
+    rows = torch.randn(rank, width, generator=generator) * init_std
+    rows[:, :keep] = root[:, None] * vt[:rank]
+    return rows, u[:, :rank] * root
+
+
+def add_outside_rows(draft: LlamaForCausalLM, rank: int, seed: int) -> None:
+    """Factored outside rows for a spread subset draft without them (distill.init from a trained draft): r
+    random basis rows after its "other" row and U = 0, so it starts from exactly its own distribution."""
+    subset = VocabSubset.of(draft, "cpu")
+    if subset is None or not subset.spread_other:
+        raise ValueError("factored outside rows (distill.outside_rank) need a vocabulary-subset draft trained with "
+                         "distill.spread_other=true")
+    if subset.factored:
+        if subset.outside_rank != rank:
+            raise ValueError(f"the draft already has {subset.outside_rank} factored outside rows, not {rank}")
+        return
+    generator = torch.Generator().manual_seed(seed)
+    embed = draft.get_input_embeddings().weight
+    rows = torch.randn(rank, embed.shape[1], generator=generator) * draft.config.initializer_range
+    factored = VocabSubset(subset.ids, subset.full_vocab_size, "cpu", True, rank)
+    draft.resize_token_embeddings(factored.head_rows, mean_resizing=False)  # tied: the head grows with it
+    draft.get_input_embeddings().weight.data[subset.head_rows:] = rows.to(embed.dtype)
+    attach_outside_factors(draft, torch.zeros(len(factored.outside_ids), rank, dtype=embed.dtype))
+    factored.write_to(draft.config)
+
+
 def build_scratch_draft(target, param_ratio: float, num_layers: int, subset: VocabSubset | None,
                         embed_init: str, seed: int) -> tuple[LlamaForCausalLM, DraftShape]:
     """A fresh Llama draft sized to the target. subset: the tokens it emits (on the CPU), or None
@@ -148,20 +197,31 @@ def build_scratch_draft(target, param_ratio: float, num_layers: int, subset: Voc
     full_vocab = target.get_input_embeddings().weight.shape[0]
     if subset is not None and subset.full_vocab_size != full_vocab:
         raise ValueError(f"the subset maps into {subset.full_vocab_size} ids, the target has {full_vocab}")
-    vocab_rows = subset.size + 1 if subset is not None else full_vocab
-    config, shape = choose_shape(target.config, param_count(target), param_ratio, num_layers, vocab_rows)
+    # The "other" row is there whether or not the decoder scores it (an old draft's is the outside mass).
+    vocab_rows = subset.size + 1 + subset.outside_rank if subset is not None else full_vocab
+    extra = subset.outside_params if subset is not None else 0
+    config, shape = choose_shape(target.config, param_count(target), param_ratio, num_layers, vocab_rows, extra)
     if subset is not None:
         subset.write_to(config)
     torch.manual_seed(seed)
     draft = LlamaForCausalLM(config)
+    if embed_init not in ("target", "random"):
+        raise ValueError(f"embed_init={embed_init!r}; use 'target' or 'random'")
+    generator = torch.Generator().manual_seed(seed)
+    embed = draft.get_input_embeddings().weight  # tied: the head shares it
     if embed_init == "target":
         rows = subset.ids if subset is not None else None
-        generator = torch.Generator().manual_seed(seed)
         weight = project_embeddings(target.get_input_embeddings().weight, config.hidden_size, rows,
                                     config.initializer_range, generator)
-        draft.get_input_embeddings().weight.data.copy_(weight)  # tied: the head shares it
-    elif embed_init != "random":
-        raise ValueError(f"embed_init={embed_init!r}; use 'target' or 'random'")
+        embed.data[: weight.shape[0]] = weight
+    if subset is not None and subset.factored:
+        basis_rows, factors = factor_outside_rows(target.get_input_embeddings().weight, config.hidden_size, subset,
+                                                  config.initializer_range, generator)
+        if embed_init == "random":  # the random rows the model was built with; U = 0: a spread draft at step 0
+            factors = torch.zeros_like(factors)
+        else:
+            embed.data[subset.size + 1:] = basis_rows
+        attach_outside_factors(draft, factors)
     return draft, shape
 
 
