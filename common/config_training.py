@@ -266,6 +266,9 @@ class DistillConfig:
             out.append("distill.outside_rank > 0 factors the outside rows of a standalone vocabulary-subset draft: "
                        "it needs distill.draft_kind=standalone, distill.spread_other=true and distill.vocab_subset > 0 "
                        "(or distill.init=<a subset draft>, without lora_rank)")
+        elif self.outside_rank and self.loss.get("ce"):
+            out.append("distill.loss: 'ce' is not built for factored outside rows (distill.outside_rank > 0), whose "
+                       "logits are never laid out over the full vocabulary in training; use the divergences")
         if not 0 <= self.filter_hardest < 1:
             out.append(f"distill.filter_hardest={self.filter_hardest} must be in [0, 1)")
         if not 0 < self.jsd_beta < 1:

@@ -17,9 +17,12 @@ from decode.drafts.standalone.build import add_outside_rows, build_scratch_draft
 from decode.runners import make_runner
 from decode.runners.hf import HFRunner
 from decode.vocab import FACTORS_NAME, OUTSIDE_FILE, VocabSubset
+from distill import factored_buckets
 from distill.export.gguf import tokenizer_fields, write_gguf_files
 from distill.export.hf import export_hf
 from distill.export.hf_full import full_vocab_model
+from distill.factored_buckets import factored_topk_buckets
+from distill.losses import topk_buckets
 from distill.train import train
 from tests.conftest import factored_llama, subset_llama
 from tests.synthetic_shards import write_scored_shards
@@ -117,6 +120,35 @@ def test_gguf_holds_the_materialised_head_and_the_other_row_on_input(tmp_path):
     assert head[outside].std(0).max() > 0  # each outside id its own head row
 
 
+@pytest.mark.parametrize("peaked", [False, True])
+def test_training_buckets_equal_those_of_the_full_vocabulary_logits(monkeypatch, peaked):
+    """factored_topk_buckets (chunked, its own backward) against topk_buckets on the full logits with autograd:
+    the same K + 1 buckets and gradients, with top-K entries inside and outside the subset, chunks of 7 outside
+    columns and, peaked, the top-K entries inside the subset 25 nats above every other logit."""
+    monkeypatch.setattr(factored_buckets, "CHUNK", 7)
+    generator = torch.Generator().manual_seed(0)
+    vocab, size, rank, positions, k = 60, 13, 3, 6, 5
+    ids = sorted(torch.randperm(vocab, generator=generator)[:size].tolist())
+    factors = torch.randn(vocab - size, rank, dtype=torch.float64, generator=generator, requires_grad=True)
+    subset = VocabSubset(ids, vocab, spread_other=True, outside_rank=rank, outside_factors=factors)
+    rows = torch.randn(positions, size + 1 + rank, dtype=torch.float64, generator=generator)
+    topk_ids = torch.stack([torch.randperm(vocab, generator=generator)[:k] for _ in range(positions)])
+    columns = subset.full_columns[topk_ids]
+    if peaked:  # the top-K entries inside the subset far above every other logit
+        position, entry = (columns < size).nonzero(as_tuple=True)
+        rows[position, columns[position, entry]] += 25.0
+    rows.requires_grad_(True)
+    topk_logp = torch.log_softmax(torch.randn(positions, k, generator=generator), -1) - 0.01
+    expected = topk_buckets(subset.full_logits(rows), topk_ids, topk_logp)
+    got = factored_topk_buckets(rows, factors, columns, topk_logp, size)
+    assert torch.allclose(got[0], expected[0], atol=1e-5) and torch.allclose(got[1], expected[1])
+    weights = torch.randn(positions, k + 1, generator=generator)
+    want = torch.autograd.grad((expected[0] * weights).sum(), [rows, factors])
+    have = torch.autograd.grad((got[0] * weights).sum(), [rows, factors])
+    for a, b in zip(have, want):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
 def test_the_shape_search_counts_the_factors():
     from tests.test_draft import SMOLLM2, SMOLLM2_PARAMS
 
@@ -177,6 +209,7 @@ def test_continuing_a_spread_draft_with_factors_starts_from_its_distribution(dat
     (["distill.outside_rank=-1"], "must be >= 0"),
     (["distill.outside_rank=4", "distill.vocab_subset=0"], "vocab_subset > 0"),
     (["distill.outside_rank=4", "distill.spread_other=false"], "spread_other=true"),
+    (["distill.outside_rank=4", "distill.loss={forward_kl: 1.0, ce: 0.1}"], "'ce' is not built"),
 ])
 def test_bad_outside_rank_is_one_clear_error(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from decode.vocab import VocabSubset
+from distill.factored_buckets import factored_topk_buckets
 from distill.losses import full_vocab_buckets, subset_buckets, topk_buckets
 
 
@@ -49,13 +50,14 @@ def keep_positions(batch: dict) -> torch.Tensor:
 def draft_logits(model, batch: dict, subset: VocabSubset | None) -> torch.Tensor:
     """Draft logits at the loss positions, fp32 [N, V_draft], whose softmax is the draft's training
     distribution (a spread_other subset draft's "other" row counted once per outside token:
-    VocabSubset.bucket_logits; with factored outside rows, the full vocabulary's), so every loss,
-    cross-entropy included, trains what the decoder and the export use. The head runs only from the
-    first completion position on."""
+    VocabSubset.bucket_logits), so every loss, cross-entropy included, trains what the decoder and the
+    export use. With factored outside rows: the raw rows [N, N_rows + 1 + r], whose full-vocabulary
+    distribution Teacher.buckets builds without materialising it. The head runs only from the first
+    completion position on."""
     logits = draft_row_logits(model, batch, subset)
-    if subset is None:
+    if subset is None or subset.factored:  # factored: the raw rows, which Teacher.buckets reads as such
         return logits
-    return subset.full_logits(logits) if subset.factored else subset.bucket_logits(logits)
+    return subset.bucket_logits(logits)
 
 
 def draft_row_logits(model, batch: dict, subset: VocabSubset | None) -> torch.Tensor:
@@ -72,9 +74,10 @@ class Teacher:
         self.kind = kind
         self.subset = subset
         """The draft's vocabulary subset (on the training device), or None for a full-vocabulary draft."""
-        self.row_subset = subset if subset is not None and not subset.factored else None
-        """The subset whose rows draft_logits' columns are; None when they are token ids (a full-vocabulary
-        draft, or factored outside rows: logits over the full vocabulary)."""
+        self.factored = subset is not None and subset.factored
+        self.row_subset = subset if subset is not None and not self.factored else None
+        """The subset whose rows draft_logits' columns are; None for a full-vocabulary draft (columns are token
+        ids) and for factored outside rows (raw rows: `buckets` and `draft_top1` read them)."""
         self.target = target  # frozen, eval mode; online only
         if target is not None:
             target.requires_grad_(False)
@@ -92,6 +95,12 @@ class Teacher:
 
     def buckets(self, draft_logits: torch.Tensor, target: TargetBatch):
         """(draft_logp, target_logp) on a common support, both [N, B]."""
+        if self.factored:  # over the full vocabulary, which the draft covers
+            if target.logits is None:
+                return factored_topk_buckets(draft_logits, self.subset.outside_factors,
+                                             self.subset.full_columns[target.topk_ids], target.topk_logp,
+                                             self.subset.size)
+            return full_vocab_buckets(self.subset.full_logits(draft_logits), target.logits)
         if target.logits is None:
             rows = target.topk_ids if self.row_subset is None else self.row_subset.output_rows[target.topk_ids]
             # A full-vocabulary draft narrower than the target's padded vocabulary cannot emit those ids.
@@ -117,6 +126,8 @@ class Teacher:
     def draft_top1(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """[N] the draft's greedy choice as a full-vocabulary id. A spread draft's "other" row competes
         with one outside token's logit (argmax sees ties, not their total), so its count comes off."""
+        if self.factored:
+            return self.subset.full_logits(draft_logits).argmax(-1)
         logits = self.decode_logits(draft_logits)
         if self.spread_other:
             logits = logits.clone()
