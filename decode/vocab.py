@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from common.errors import UserError
+
 
 IDS_ATTR = "draft_vocab_ids"
 FULL_SIZE_ATTR = "full_vocab_size"
@@ -199,6 +201,10 @@ class VocabSubset:
         return full
 
 
+class MissingFactorsError(UserError):
+    """A draft folder whose config names factored outside rows without the file that holds them."""
+
+
 def attach_outside_factors(model: torch.nn.Module, factors: torch.Tensor) -> None:
     """Give a draft model its outside factors U as a trainable parameter (saved by its state dict)."""
     setattr(model, FACTORS_NAME, torch.nn.Parameter(factors))
@@ -213,7 +219,8 @@ def load_outside_factors(model: torch.nn.Module, folder: str | Path) -> None:
 
     path = Path(folder) / OUTSIDE_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{folder} is a draft with factored outside rows but lacks {OUTSIDE_FILE}")
+        raise MissingFactorsError(f"{folder} is a draft with factored outside rows (its config's {RANK_ATTR}) but "
+                                  f"lacks {OUTSIDE_FILE}: copy the whole folder, or export it again")
     weight = next(model.parameters())
     attach_outside_factors(model, load_file(path)[FACTORS_NAME].to(weight.device, weight.dtype))
 

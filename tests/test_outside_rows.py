@@ -16,7 +16,7 @@ from decode.api import generate, speculative_generate
 from decode.drafts.standalone.build import add_outside_rows, build_scratch_draft, choose_shape
 from decode.runners import make_runner
 from decode.runners.hf import HFRunner
-from decode.vocab import FACTORS_NAME, OUTSIDE_FILE, VocabSubset
+from decode.vocab import FACTORS_NAME, OUTSIDE_FILE, MissingFactorsError, VocabSubset
 from distill import factored_buckets
 from distill.export.gguf import tokenizer_fields, write_gguf_files
 from distill.export.hf import export_hf
@@ -86,7 +86,7 @@ def test_the_factors_are_saved_beside_the_weights_and_loaded_with_them(tmp_path)
     assert torch.equal(load_file(folder / OUTSIDE_FILE)[FACTORS_NAME], getattr(draft, FACTORS_NAME).detach())
     assert torch.equal(full_logits(load_model(str(folder))), full_logits(draft))
     (folder / OUTSIDE_FILE).unlink()
-    with pytest.raises(FileNotFoundError, match=OUTSIDE_FILE):
+    with pytest.raises(MissingFactorsError, match=OUTSIDE_FILE):
         load_model(str(folder))
     with pytest.raises(ValueError, match="no outside_factors"):
         VocabSubset.of(AutoModelForCausalLM.from_pretrained(folder))
