@@ -175,10 +175,13 @@ def tiny_run(data, out, *overrides):
     return train(config)
 
 
-def test_training_moves_the_factors_and_the_export_gives_the_native_distribution(data, tmp_path):
-    """From scratch with outside_rank: training moves the factors, and the run's full-vocabulary export
-    (export/hf) equals the native draft over the full vocabulary."""
-    tiny_run(data, tmp_path / "run", "distill.outside_rank=4", "distill.export=true")
+@pytest.mark.parametrize("teacher", ["cached", "online"])
+def test_training_moves_the_factors_and_the_export_gives_the_native_distribution(data, tmp_path, teacher):
+    """From scratch with outside_rank, with either teacher: training moves the factors, and the run's
+    full-vocabulary export (export/hf) equals the native draft over the full vocabulary."""
+    summary = tiny_run(data, tmp_path / "run", "distill.outside_rank=4", "distill.export=true",
+                       f"distill.teacher={teacher}")
+    assert 0 < summary["final/alpha"] <= 1
     native = load_model(str(tmp_path / "run/final"))
     subset = VocabSubset.of(native)
     assert subset.outside_rank == 4 and subset.head_rows == 512 + 1 + 4
@@ -209,6 +212,7 @@ def test_continuing_a_spread_draft_with_factors_starts_from_its_distribution(dat
     (["distill.outside_rank=-1"], "must be >= 0"),
     (["distill.outside_rank=4", "distill.vocab_subset=0"], "vocab_subset > 0"),
     (["distill.outside_rank=4", "distill.spread_other=false"], "spread_other=true"),
+    (["distill.outside_rank=4", "distill.draft_kind=feature", "distill.teacher=online"], "draft_kind=standalone"),
     (["distill.outside_rank=4", "distill.loss={forward_kl: 1.0, ce: 0.1}"], "'ce' is not built"),
 ])
 def test_bad_outside_rank_is_one_clear_error(overrides, message):
