@@ -8,8 +8,16 @@ Runner-level loops with a pluggable proposer: decode.speculative.speculative_dec
 and decode.proposers.
 """
 
-from decode.api import generate, speculative_generate
-from decode.speculative import SpeculativeOutput
-from decode.stats import SpeculativeStats
+import importlib
 
-__all__ = ["generate", "speculative_generate", "SpeculativeOutput", "SpeculativeStats"]
+# Imported on first use (PEP 562): decode.api brings in transformers (~4 s on a 2-core CPU), which a config check
+# that reads decode.tree must not wait for.
+_EXPORTS = {"generate": "decode.api", "speculative_generate": "decode.api",
+            "SpeculativeOutput": "decode.speculative", "SpeculativeStats": "decode.stats"}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'decode' has no attribute {name!r}")

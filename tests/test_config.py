@@ -1,5 +1,7 @@
 """RELIABILITY 12, 23: configuration errors are clear and happen before any model loads."""
 
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -233,6 +235,17 @@ def test_cli_reports_config_errors_cleanly(capsys):
         run_cli(main, ["--config", TINY, "eval.ks=[0]"])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.startswith("error: invalid config:\n  eval.ks: k=0")
+
+
+def test_make_distill_reports_a_bad_setting_before_loading_the_training_stack():
+    """The check takes the config alone (torch), not the recipes' transformers and accelerate (~8 s in all)."""
+    code = ("import sys\nfrom common.cli import run_cli\nfrom distill.train import main\ntry:\n"
+            f"    run_cli(main, ['--config', {str(TINY)!r}, 'distill.lr=abc'])\n"
+            "except SystemExit as e:\n    print(e.code, 'transformers' in sys.modules, 'accelerate' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                         text=True, timeout=120)
+    assert out.stdout.split() == ["2", "False", "False"], out.stdout + out.stderr
+    assert out.stderr == "error: distill.lr: expected float, got str 'abc'\n"
 
 
 def test_run_cli_keeps_tracebacks_for_bugs(capsys):
