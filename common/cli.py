@@ -56,3 +56,14 @@ def _help_epilog() -> str:
             else:
                 lines.append(f"  {key} = {default!r}")
     return "\n".join(lines)
+
+
+def check_main(argv: list[str] | None = None) -> None:
+    """`python -m common.cli --config X key=value ...`: read and check a config, print nothing. The Makefile runs it
+    before a multi-process launch: a bad setting is then one `error:` line, not one per rank inside torchrun's
+    failure report."""
+    cli_config(argv, "Check a config and its overrides (every stage reads the same file).")
+
+
+if __name__ == "__main__":
+    run_cli(check_main)

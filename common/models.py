@@ -27,7 +27,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from common.errors import UserError
-from decode.vocab import load_outside_factors
+from common.outside_factors import load_outside_factors
 
 
 EMBEDDED = "embedded:smollm2-135m-instruct"

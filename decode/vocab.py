@@ -31,19 +31,16 @@ Training (distill/), decoding (runners, proposers), the HF baseline and export a
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
 
-from common.errors import UserError
+from common.outside_factors import FACTORS_NAME, RANK_ATTR
 
 
 IDS_ATTR = "draft_vocab_ids"
 FULL_SIZE_ATTR = "full_vocab_size"
 SPREAD_ATTR = "draft_spread_other"
-RANK_ATTR = "draft_outside_rank"
-FACTORS_NAME = "outside_factors"  # the draft module's attribute and the tensor's name on disk
-OUTSIDE_FILE = "outside_factors.safetensors"
+# RANK_ATTR, FACTORS_NAME and where U is saved: common/outside_factors.py (load_model attaches it).
 
 
 class VocabSubset:
@@ -199,30 +196,6 @@ class VocabSubset:
             full = values.new_full((*values.shape[:-1], self.full_vocab_size), float("-inf"))
         full[..., self.ids] = values
         return full
-
-
-class MissingFactorsError(UserError):
-    """A draft folder whose config names factored outside rows without the file that holds them."""
-
-
-def attach_outside_factors(model: torch.nn.Module, factors: torch.Tensor) -> None:
-    """Give a draft model its outside factors U as a trainable parameter (saved by its state dict)."""
-    setattr(model, FACTORS_NAME, torch.nn.Parameter(factors))
-
-
-def load_outside_factors(model: torch.nn.Module, folder: str | Path) -> None:
-    """Attach the U saved in `folder` to a factored draft loaded from it (a no-op for any other model)."""
-    rank = int(getattr(model.config, RANK_ATTR, 0))
-    if not rank:
-        return
-    from safetensors.torch import load_file
-
-    path = Path(folder) / OUTSIDE_FILE
-    if not path.is_file():
-        raise MissingFactorsError(f"{folder} is a draft with factored outside rows (its config's {RANK_ATTR}) but "
-                                  f"lacks {OUTSIDE_FILE}: copy the whole folder, or export it again")
-    weight = next(model.parameters())
-    attach_outside_factors(model, load_file(path)[FACTORS_NAME].to(weight.device, weight.dtype))
 
 
 def model_vocab_size(model: torch.nn.Module) -> int:

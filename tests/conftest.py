@@ -7,8 +7,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from common.outside_factors import attach_outside_factors
 from decode.drafts.feature.model import FeatureDraft, FeatureDraftConfig
-from decode.vocab import VocabSubset, attach_outside_factors
+from decode.vocab import VocabSubset
 
 
 os.environ.setdefault("WANDB_MODE", "offline")

@@ -90,6 +90,19 @@ def test_hf_rows_compare_with_our_runs_on_the_same_prompts(hf_prompts, vs_ours, 
     assert "ours_over_this" not in rows[0] and rows[1]["ours_over_this"] == pytest.approx(ours_over_hf)
 
 
+
+@pytest.mark.parametrize("stage", ["generate-data", "distill"])
+def test_a_multi_process_stage_reports_a_bad_setting_once_before_launching(stage):
+    """NPROC=2: the config is checked before torchrun starts, so the user sees one error line, not each rank's
+    failure inside torchrun's report."""
+    result = subprocess.run(["make", "-o", ".venv/.installed", stage, "CONFIG=configs/tiny.yaml", "NPROC=2",
+                             "ARGS=distill.lr=abc generate.batch_size=abc"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "expected" in errors[0], result.stderr[-2000:]
+    assert "torchrun" not in result.stderr and "ChildFailedError" not in result.stderr
+
 def test_eval_speedup_with_an_untrained_draft(tmp_path):
     result = make("eval-speedup", "draft=tiny:draft", "eval.prompts=[gsm8k]", f"eval.out_dir={tmp_path}",
                   "eval.lookup_ngram=3")

@@ -12,11 +12,12 @@ from transformers import AutoModelForCausalLM
 
 from common.config import ConfigError, load_config
 from common.models import embedded_gguf, load_model, load_tokenizer
+from common.outside_factors import FACTORS_NAME, OUTSIDE_FILE, MissingFactorsError
 from decode.api import generate, speculative_generate
 from decode.drafts.standalone.build import add_outside_rows, build_scratch_draft, choose_shape
 from decode.runners import make_runner
 from decode.runners.hf import HFRunner
-from decode.vocab import FACTORS_NAME, OUTSIDE_FILE, MissingFactorsError, VocabSubset
+from decode.vocab import VocabSubset
 from distill import factored_buckets
 from distill.export.gguf import tokenizer_fields, write_gguf_files
 from distill.export.hf import export_hf

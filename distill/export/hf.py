@@ -13,7 +13,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from decode.vocab import FACTORS_NAME, OUTSIDE_FILE
+from common.outside_factors import FACTORS_NAME, OUTSIDE_FILE
 from distill.disk import reporting_full_disk
 
 

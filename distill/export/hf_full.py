@@ -27,7 +27,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from common.errors import UserError
-from decode.vocab import FACTORS_NAME, VocabSubset
+from common.outside_factors import FACTORS_NAME
+from decode.vocab import VocabSubset
 
 
 class LossyExportError(UserError):

@@ -29,7 +29,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from common.models import param_count
-from decode.vocab import VocabSubset, attach_outside_factors
+from common.outside_factors import attach_outside_factors
+from decode.vocab import VocabSubset
 
 
 @dataclass
