@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import yaml
 
 from common.config import config_to_dict
 from common.models import param_count
@@ -122,7 +123,22 @@ def draft_record(ref: str, model: torch.nn.Module, target_params: int) -> dict:
         vocab = VocabSubset.from_config(model.config)
         subset, layers = (vocab.size if vocab is not None else None), None
     return {"ref": ref, "params": params, "param_ratio": params / target_params, "vocab_subset": subset,
-            "target_layers": layers}
+            "target_layers": layers, "recipe": training_recipe(Path(ref))}
+
+
+def training_recipe(folder: Path) -> dict | None:
+    """How `make distill` trained the draft in `folder` (the config.yaml and metrics.json it writes beside the
+    weights), for the report to say what it measured; None for a folder from elsewhere."""
+    if not (folder / "config.yaml").is_file():
+        return None
+    distill = (yaml.safe_load((folder / "config.yaml").read_text()) or {}).get("distill") or {}
+    metrics = json.loads((folder / "metrics.json").read_text()) if (folder / "metrics.json").is_file() else {}
+    return {"loss": distill.get("loss"), "steps": metrics.get("step", distill.get("max_steps")),
+            "examples_per_step_per_rank": distill.get("micro_batch_size", 0) * distill.get("grad_accum", 1),
+            "data_dirs": distill.get("data_dirs"), "data_weights": distill.get("data_weights") or None,
+            "init": distill.get("init"), "vocab_subset": distill.get("vocab_subset"),
+            "outside_rank": distill.get("outside_rank", 0), "filter_hardest": distill.get("filter_hardest", 0.0),
+            "seconds": metrics.get("elapsed_s"), "machine": (metrics.get("precision") or {}).get("machine")}
 
 def log_to_wandb(tracker, report: dict) -> None:
     for row in report["results"]:

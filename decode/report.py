@@ -38,6 +38,31 @@ def _draft_part(name: str, draft: dict | None) -> str:
             f"{100 * draft['param_ratio']:.2f}% of the target{layers})")
 
 
+def recipe_lines(report: dict) -> list[str]:
+    """'- draft trained by make distill: ...' for each draft whose folder says how it was trained."""
+    lines = []
+    for name, key in (("draft", "draft"), ("feature draft", "feature_draft")):
+        recipe = (report.get(key) or {}).get("recipe")
+        if not recipe:
+            continue
+        loss = " + ".join(n if w == 1 else f"{w:g} {n}" for n, w in (recipe["loss"] or {}).items())
+        parts = [f"{loss}, {recipe['steps']:,} steps of {recipe['examples_per_step_per_rank']} prompts (per rank)",
+                 "on " + ", ".join(recipe["data_dirs"] or [])
+                 + (f" (weights {recipe['data_weights']})" if recipe["data_weights"] else "")]
+        if recipe["init"] not in (None, "scratch"):
+            parts.append(f"continued from `{recipe['init']}`")
+        if recipe["vocab_subset"]:
+            parts.append(f"{recipe['vocab_subset']:,}-token subset")
+        if recipe["outside_rank"]:
+            parts.append(f"factored outside rows of rank {recipe['outside_rank']}")
+        if recipe["filter_hardest"]:
+            parts.append(f"filter_hardest {recipe['filter_hardest']:g}")
+        if recipe["seconds"] is not None:
+            parts.append(f"{recipe['seconds']:.0f} s of training on {recipe['machine']}")
+        lines.append(f"- {name} trained by `make distill`: " + "; ".join(parts))
+    return lines
+
+
 def write_markdown(report: dict, path: Path) -> None:
     lines = [f"# Speculative decoding report: {report['config']['name']}", "",
              *reliability_lines(report["timing_reliability"]),
@@ -46,6 +71,7 @@ def write_markdown(report: dict, path: Path) -> None:
              f"- target `{report['target']['ref']}` ({report['target']['params'] / 1e6:.1f}M params)"
              + "".join(_draft_part(name, report.get(key)) for name, key in (("draft", "draft"),
                                                                            ("feature draft", "feature_draft"))),
+             *recipe_lines(report),
              f"- {report['max_new_tokens']} new tokens per prompt, batch 1, backend `{report['backend']}`, "
              f"{report['dtype']['dtype']} ({report['dtype']['reason']}); "
              "speedup = speculative tokens/s ÷ target-only tokens/s, timed interleaved in one process",

@@ -154,6 +154,11 @@ def test_generate_distill_eval_pipeline(tmp_path):
     make("eval-speedup", f"generate.out_dir={data}", f"draft={final}", f"distill.out_dir={run}")
     report = check_report(run / "eval", ks=[2, 4], temperatures=[0.0, 0.7])
     assert report["draft"]["vocab_subset"] == 512
+    # The report says how make distill trained what it measured (configs/tiny.yaml: 6 steps of 4, subset 512).
+    recipe = [line for line in (run / "eval/report.md").read_text().splitlines() if "trained by" in line]
+    assert recipe == [f"- draft trained by `make distill`: forward_kl, 6 steps of 4 prompts (per rank); on {data}; "
+                      f"512-token subset; {report['draft']['recipe']['seconds']:.0f} s of training on "
+                      f"{report['draft']['recipe']['machine']}"]
     assert list(report["prompt_sets"]) == ["data:eval"]
 
 
