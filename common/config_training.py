@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -266,6 +267,9 @@ class DistillConfig:
             out.append("distill.outside_rank > 0 factors the outside rows of a standalone vocabulary-subset draft: "
                        "it needs distill.draft_kind=standalone, distill.spread_other=true and distill.vocab_subset > 0 "
                        "(or distill.init=<a subset draft>, without lora_rank)")
+        elif self.outside_rank and _zero_stage(self.deepspeed_config) == 3:
+            out.append("distill.outside_rank > 0 is not built for ZeRO-3, which shards the outside factors the loss "
+                       "reads outside the model's forward: use ZeRO-1/2 or DDP (the draft is small)")
         elif self.outside_rank and self.loss.get("ce"):
             out.append("distill.loss: 'ce' is not built for factored outside rows (distill.outside_rank > 0), whose "
                        "logits are never laid out over the full vocabulary in training; use the divergences")
@@ -348,3 +352,13 @@ class OnPolicyConfig:
             out.append("onpolicy.max_prompts must be >= 0 (0 = all)")
         problem = sampling_problem("onpolicy.temperature", "temperature", self.temperature)
         return out + ([problem] if problem else [])
+
+
+def _zero_stage(deepspeed_config: str | None) -> int | None:
+    """The ZeRO stage a DeepSpeed config file asks for (None: no file, or one that does not parse)."""
+    if not deepspeed_config or not Path(deepspeed_config).is_file():
+        return None
+    try:
+        return json.loads(Path(deepspeed_config).read_text()).get("zero_optimization", {}).get("stage")
+    except (ValueError, AttributeError):
+        return None

@@ -22,7 +22,7 @@ class MissingFactorsError(UserError):
 
 def attach_outside_factors(model: torch.nn.Module, factors: torch.Tensor) -> None:
     """Give a draft model its outside factors U as a trainable parameter (saved by its state dict)."""
-    setattr(model, FACTORS_NAME, torch.nn.Parameter(factors))
+    setattr(model, FACTORS_NAME, torch.nn.Parameter(factors.contiguous()))  # an SVD gives column-major rows
 
 
 def load_outside_factors(model: torch.nn.Module, folder: str | Path) -> None:

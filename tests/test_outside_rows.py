@@ -3,6 +3,7 @@ a logit of its own, the "other" row's plus U_j . (P h). The decoder, the runners
 full-vocabulary exports must all see that one distribution, and decoding stays lossless with it."""
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import gguf
 import pytest
@@ -25,6 +26,7 @@ from distill.export.hf_full import full_vocab_model
 from distill.factored_buckets import factored_topk_buckets
 from distill.losses import topk_buckets
 from distill.train import train
+from distill.training.accelerator import shards_parameters
 from tests.conftest import factored_llama, subset_llama
 from tests.synthetic_shards import write_scored_shards
 
@@ -215,7 +217,19 @@ def test_continuing_a_spread_draft_with_factors_starts_from_its_distribution(dat
     (["distill.outside_rank=4", "distill.spread_other=false"], "spread_other=true"),
     (["distill.outside_rank=4", "distill.draft_kind=feature", "distill.teacher=online"], "draft_kind=standalone"),
     (["distill.outside_rank=4", "distill.loss={forward_kl: 1.0, ce: 0.1}"], "'ce' is not built"),
+    (["distill.outside_rank=4", "distill.deepspeed_config=configs/deepspeed_zero3.json"], "not built for ZeRO-3"),
 ])
 def test_bad_outside_rank_is_one_clear_error(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(ROOT / "configs/tiny.yaml", overrides)
+
+
+@pytest.mark.parametrize("kind, stage, shards", [("FSDP", None, True), ("DEEPSPEED", 3, True),
+                                                 ("DEEPSPEED", 2, False), ("MULTI_CPU", None, False)])
+def test_sharded_training_is_recognised(kind, stage, shards):
+    """FSDP comes from accelerate's own config file, not ours: the recipe asks the accelerator (and refuses
+    outside_rank there) before any model loads."""
+    plugin = None if stage is None else SimpleNamespace(zero_stage=stage)
+    accelerator = SimpleNamespace(distributed_type=SimpleNamespace(name=kind),
+                                  state=SimpleNamespace(deepspeed_plugin=plugin))
+    assert shards_parameters(accelerator) == shards

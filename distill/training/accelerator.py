@@ -38,6 +38,13 @@ def make_accelerator(config):
                        gradient_accumulation_steps=dc.grad_accum, **kwargs)
 
 
+def shards_parameters(accelerator) -> bool:
+    """Whether each rank holds only a shard of every parameter (DeepSpeed ZeRO-3, FSDP)."""
+    kind = accelerator.distributed_type.name
+    plugin = accelerator.state.deepspeed_plugin
+    return kind == "FSDP" or (kind == "DEEPSPEED" and plugin is not None and plugin.zero_stage == 3)
+
+
 def skip_shm_allreduce_build():
     """DeepSpeed on CPU JIT-compiles its shared-memory allreduce at the first collective (~100 s on 2 cores,
     every fresh machine) unless the op was prebuilt at install (DS_BUILD_SHM_COMM=1). gloo's allreduce

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from common.config import config_to_dict
+from common.config import ConfigError, config_to_dict
 from common.models import check_tokenizers, load_model, load_tokenizer, param_count, resolve_device
 from common.precision import resolve_dtype
 from common.progress import expectation
@@ -30,7 +30,7 @@ from distill.checkpoint import TrainState, latest_checkpoint, load_newest_loadab
 from distill.data import StepSampler, collate, load_examples
 from distill.export.hf import copy_hf, export_hf
 from distill.losses import kl_per_token, mixed_loss
-from distill.training.accelerator import make_accelerator
+from distill.training.accelerator import make_accelerator, shards_parameters
 from distill.training.evaluate import evaluate
 from distill.training.optimizer import make_optimizer
 from distill.training.resume import check_resumable
@@ -67,6 +67,10 @@ class DistillRecipe:
         config = dataclasses.replace(config, distill=dataclasses.replace(config.distill, precision=self.precision.name))
         self.config, self.dc = config, config.distill
         self.accelerator = make_accelerator(config)
+        if self.dc.outside_rank and shards_parameters(self.accelerator):
+            # ZeRO-3 is refused with the config (common/config_training.py); FSDP comes from accelerate's own file.
+            raise ConfigError("distill.outside_rank > 0 is not built for FSDP, which shards the outside factors the "
+                              "loss reads outside the model's forward: use DDP or ZeRO-1/2 (the draft is small)")
         from accelerate.utils import set_seed
 
         set_seed(config.seed)
