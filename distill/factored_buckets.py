@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from distill.losses import target_topk_buckets
+
 
 # Outside columns per chunk: [~700 positions, 4096] fp32 is 11 MB, within a server core's L2/L3 share.
 CHUNK = 4096
@@ -31,10 +33,7 @@ def factored_topk_buckets(row_logits: torch.Tensor, factors: torch.Tensor, topk_
     factors U [V - N, r]; topk_columns [P, K]: the target's top-K tokens as columns of [N token rows, V - N
     outside ids] (VocabSubset.full_columns); size: N."""
     draft_logp = _FactoredBuckets.apply(row_logits.float(), factors.float(), topk_columns, size)
-    target_top = topk_logp.float()
-    # Stored top-K mass can reach or exceed 1 by float error: floor the rest bucket (as topk_buckets).
-    target_rest = torch.log((1 - target_top.exp().sum(-1, keepdim=True)).clamp(min=1e-6))
-    return draft_logp, torch.cat([target_top, target_rest], -1)
+    return draft_logp, target_topk_buckets(topk_logp)
 
 
 def _outside_chunks(row_logits: torch.Tensor, factors: torch.Tensor, size: int, topk_columns: torch.Tensor):

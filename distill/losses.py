@@ -223,7 +223,14 @@ def topk_buckets(draft_logits: torch.Tensor, topk_rows: torch.Tensor, topk_logp:
     outside = padded.scatter(1, rows, _LOG_ZERO)[:, :vocab]
     draft_rest = torch.logsumexp(outside, -1, keepdim=True)  # [N, 1]
 
-    target_top = torch.where(valid, topk_logp.float(), float("-inf"))
+    target_logp = target_topk_buckets(torch.where(valid, topk_logp.float(), float("-inf")))
+    return torch.cat([draft_top, draft_rest], -1), target_logp
+
+
+def target_topk_buckets(topk_logp: torch.Tensor) -> torch.Tensor:
+    """The cached teacher's side [N, K+1]: its stored top-K log-probs (-inf where a token has no draft bucket)
+    and the "rest" bucket, 1 - Σ top-K."""
+    target_top = topk_logp.float()
     # Stored top-K mass can reach or exceed 1 by float error: floor the rest bucket.
     target_rest = torch.log((1 - target_top.exp().sum(-1, keepdim=True)).clamp(min=_REST_FLOOR))
-    return torch.cat([draft_top, draft_rest], -1), torch.cat([target_top, target_rest], -1)
+    return torch.cat([target_top, target_rest], -1)
