@@ -5,8 +5,11 @@ import math
 import pytest
 import torch
 
+from distill.data import Example, collate
 from distill.losses import (acceptance, cross_entropy, forward_kl, full_vocab_buckets, jsd, kl_acceptance_blend,
                             mixed_loss, neg_log_acceptance, reverse_kl, subset_buckets, topk_buckets, tvd)
+from distill.training.teacher import forward_at
+from tests.conftest import small_llama
 
 DIVERGENCES = [forward_kl, reverse_kl, tvd, lambda d, t, m: jsd(d, t, m, 0.3), neg_log_acceptance,
                kl_acceptance_blend]
@@ -211,3 +214,24 @@ def test_filter_hardest_leaves_out_the_positions_the_draft_fits_worst():
                           mixed_loss(weights, draft, target, logits, None, weighted * kept), atol=1e-6)
     assert torch.equal(mixed_loss(weights, draft, target, logits, None, kept, filter_hardest=0.1),
                        mixed_loss(weights, draft, target, logits, None, kept))  # floor(0.1 · 6) = 0 positions left out
+
+
+def test_the_head_runs_only_at_the_loss_positions_with_the_logits_and_gradients_of_a_full_forward():
+    model = small_llama(seed=4, layers=2, tie=True).train()
+    rng = torch.Generator().manual_seed(0)
+    # rows of different lengths whose completions start at different positions, right-padded
+    examples = [Example(torch.randint(2, 16, (n,), generator=rng).numpy(), prompt, None, None, "x")
+                for n, prompt in ((9, 6), (4, 2), (7, 1))]
+    batch = collate(examples, 1, with_topk=False)
+    mask = batch["loss_mask"]
+    inputs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    head_rows = []
+    model.lm_head.register_forward_hook(lambda module, args, out: head_rows.append(args[0].shape[:-1].numel()))
+    gathered = forward_at(model, mask, **inputs).logits[0]
+    full = model(**inputs).logits[mask]
+    # the head saw the loss positions only, and a plain forward after forward_at sees every position
+    assert head_rows == [int(mask.sum()), mask.numel()] and head_rows[0] < mask.numel()
+    assert torch.allclose(gathered, full, atol=1e-5)
+    grads = torch.autograd.grad(gathered.square().sum(), list(model.parameters()))
+    for grad, full_grad in zip(grads, torch.autograd.grad(full.square().sum(), list(model.parameters()))):
+        assert torch.allclose(grad, full_grad, rtol=1e-4, atol=1e-4)

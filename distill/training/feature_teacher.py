@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from distill.training.teacher import keep_positions
+from distill.training.teacher import forward_at
 
 
 @dataclass
@@ -53,12 +53,11 @@ class FeatureTeacher:
         loss_mask = batch["loss_mask"]
         positions = F.pad(loss_mask[:, 1:], (0, 1))  # [B, T]: draft position i <- target position i + 1
         teacher_at = F.pad(loss_mask[:, 1:], (1, 0))  # [B, T]: those target positions i + 1
-        keep = keep_positions(batch)  # logits only from the first completion position on
-        out = self.target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                          output_hidden_states=True, logits_to_keep=keep)
+        out = forward_at(self.target, teacher_at, input_ids=batch["input_ids"],
+                         attention_mask=batch["attention_mask"], output_hidden_states=True)
         hidden = layer_outputs(out, self.layers).to(self.dtype)
         embeds = self.target.get_input_embeddings()(batch["labels"]).to(self.dtype)
-        logits = out.logits[teacher_at[:, keep]].float()  # [n, V]
+        logits = out.logits[0].float()  # [n, V]
         target_logp = torch.log_softmax(logits, -1)[:, self.subset_ids]  # [n, N]
         return FeatureBatch(hidden, embeds, positions, target_logp, logits.argmax(-1),
                             bool(torch.isfinite(logits).all()))
