@@ -11,6 +11,7 @@ from distill.losses import (acceptance, cross_entropy, forward_kl, full_vocab_bu
 from distill.training.teacher import forward_at
 from tests.conftest import small_llama
 
+
 DIVERGENCES = [forward_kl, reverse_kl, tvd, lambda d, t, m: jsd(d, t, m, 0.3), neg_log_acceptance,
                kl_acceptance_blend]
 
