@@ -26,7 +26,7 @@ from decode.vocab import VocabSubset
 
 
 if TYPE_CHECKING:
-    from decode.bench import Setup
+    from decode.eval_speedup import Setup
 
 
 def draft_kind(proposer: str) -> str:

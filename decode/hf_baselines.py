@@ -20,7 +20,7 @@ from decode.vocab import VocabSubset
 
 
 if TYPE_CHECKING:
-    from decode.bench import Setup
+    from decode.eval_speedup import Setup
 
 
 def full_vocab_view(draft):

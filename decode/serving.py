@@ -59,7 +59,7 @@ def request_groups(n_requests: int, batch: int) -> list[range]:
 
 
 def serving_runners(s) -> dict[str | None, tuple[RaggedRunner, object | None]]:
-    """(target runner, draft runner) by draft kind (None: target-only) for `s` (decode.bench.Setup). The feature
+    """(target runner, draft runner) by draft kind (None: target-only) for `s` (decode.eval_speedup.Setup). The feature
     draft verifies on a target runner of its own, which keeps the hidden states it reads."""
     vocab = model_vocab_size(s.target)
     target = RaggedRunner(s.target, vocab)
@@ -74,7 +74,7 @@ def serving_runners(s) -> dict[str | None, tuple[RaggedRunner, object | None]]:
 
 
 def measure_serving(s, greedy_tokens: dict[tuple[str, str], list[int]]) -> list[dict]:
-    """The serving rows of `s` (decode.bench.Setup); greedy_tokens: batch-1 target-only greedy outputs."""
+    """The serving rows of `s` (decode.eval_speedup.Setup); greedy_tokens: batch-1 target-only greedy outputs."""
     ev = s.cfg.eval
     runners = serving_runners(s)
     set_name, prompts = next(iter(s.prompt_sets.items()))

@@ -20,7 +20,7 @@ rejection step needs it spread over the full vocabulary. A spread_other subset d
 (decode/vocab.py) is warped and sampled over the full vocabulary like any other draft.
 
 The one-call API over Hugging Face models (`decode.generate`, `decode.speculative_generate`) is
-decode/api.py; the evaluation (decode/bench.py) calls these runner-level loops directly.
+decode/api.py; the evaluation (decode/eval_speedup.py) calls these runner-level loops directly.
 """
 
 from __future__ import annotations

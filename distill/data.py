@@ -48,7 +48,7 @@ class Example:
     """Index of its data dir in the list it was read from (distill.data_dirs: the mixture's groups)."""
     origin: tuple[Path, int, int] | None = None
     """(shard, row index in it, index of ids[0] in the row's untruncated prompt + completion): where the
-    row's stored hidden states are (distill/features.py); None for a dummy row."""
+    row's stored hidden states are (distill/feature_store.py); None for a dummy row."""
 
 
 def manifest_shards(data_dir: str | Path) -> list[Path]:

@@ -2,101 +2,19 @@
 
     python -m distill.held_out --config configs/smollm2.yaml --drafts runs/a/final runs/b/final
 
-Training's held-out α with a cached teacher sums min(p, q) over the stored top-K tokens only: a lower
-bound, and one a draft can raise by moving mass into the top-K without accepting more often. Here the
-target runs over the same held-out rows (the first distill.eval_samples held-out rows of
-distill.data_dirs) and each draft's full-vocabulary distribution, as the decoder samples it (a subset
-draft expanded by decode/vocab.py full_logits), meets the target's over the whole vocabulary:
-  α at T       Σ_v min(p_T, q_T) with both tempered: the acceptance of speculative sampling at T
-  greedy       P(argmax q = argmax p): the acceptance of greedy decoding
-  τ(k)         (1 − α^(k+1)) / (1 − α), tokens per target forward at draft length k (i.i.d. α)
-  head mass    the target's mass (T = 1) on the tokens a subset draft has rows for, and `head greedy`
-               the share of the target's argmaxes among them (1 for a full-vocabulary draft): how much
-               a wider head could add (a spread "other" row covers the rest only uniformly)
-Contexts are the target's own completions (teacher-forced), as in decoding after each verification.
+What it measures and how: distill/held_out_acceptance.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
-
-import torch
 
 from common.cli import run_cli
-from common.config import ConfigError, load_config
-from common.models import check_tokenizers, load_model, load_tokenizer, reference_problem
-from decode.stats import expected_tau
-from decode.vocab import VocabSubset
-from distill.data import collate, load_examples
-from distill.training.teacher import Teacher, draft_row_logits
-
-
-ROWS_PER_BATCH = 4  # 4 rows x ~100 completion positions x 49k vocab x 4 B: ~80 MB of logits per model
-
-
-def draft_full_logits(draft, batch: dict) -> torch.Tensor:
-    """The draft's logits over the full vocabulary at the batch's loss positions [N, V] (fp32)."""
-    subset = VocabSubset.of(draft)
-    logits = draft_row_logits(draft, batch, subset)
-    return logits if subset is None else subset.full_logits(logits)
-
-
-@torch.no_grad()
-def held_out_acceptance(target, drafts: dict[str, torch.nn.Module], batches, temperatures: list[float],
-                        tau_k: int) -> dict[str, dict]:
-    """{draft name: {'alpha_T<t>': …, 'greedy': …, 'tau_k<k>_T<t>': …, 'tau_k<k>_greedy': …, 'tokens': n}}."""
-    sums = {name: torch.zeros(len(temperatures) + 3, dtype=torch.float64) for name in drafts}
-    subsets = {name: VocabSubset.of(draft) for name, draft in drafts.items()}
-    teacher = Teacher("online", None, target)
-    tokens = 0
-    for batch in batches:
-        target_logits = teacher.targets(batch).logits
-        tokens += target_logits.shape[0]
-        for name, draft in drafts.items():
-            draft_logits = draft_full_logits(draft, batch)
-            vocab = min(draft_logits.shape[-1], target_logits.shape[-1])
-            d, t = draft_logits[:, :vocab], target_logits[:, :vocab]
-            accepted = [torch.minimum(torch.softmax(d / T, -1), torch.softmax(t / T, -1)).sum() for T in temperatures]
-            accepted.append((d.argmax(-1) == t.argmax(-1)).sum())
-            ids = subsets[name].ids if subsets[name] is not None else torch.arange(vocab)
-            accepted.append(torch.softmax(t, -1)[:, ids].sum())
-            accepted.append(torch.isin(t.argmax(-1), ids).sum())
-            sums[name] += torch.stack(accepted).double()
-    results = {}
-    for name, total in sums.items():
-        *rates, head_mass, head_greedy = (total / max(tokens, 1)).tolist()
-        labels = [f"T{T:g}" for T in temperatures] + ["greedy"]
-        results[name] = {**{f"alpha_{label}": rate for label, rate in zip(labels, rates)},
-                         **{f"tau_k{tau_k}_{label}": expected_tau(rate, tau_k) for label, rate in zip(labels, rates)},
-                         "head_mass": head_mass, "head_greedy": head_greedy, "tokens": tokens}
-    return results
-
-
-def held_out_batches(config, tokenizer):
-    """The held-out rows training evaluates on, in batches of ROWS_PER_BATCH."""
-    dc = config.distill
-    _, held_out = load_examples(dc.data_dirs, dc.max_seq_len, need_topk=False)
-    held_out = held_out[: dc.eval_samples]
-    for start in range(0, len(held_out), ROWS_PER_BATCH):
-        yield collate(held_out[start:start + ROWS_PER_BATCH], tokenizer.pad_token_id or 0, with_topk=False)
-
-
-def table(results: dict[str, dict], temperatures: list[float], tau_k: int) -> str:
-    labels = [f"T{T:g}" for T in temperatures] + ["greedy"]
-    columns = [f"α {label} | τ({tau_k}) {label}" for label in labels] + ["head mass", "head greedy"]
-    head = "| draft | " + " | ".join(columns) + " |"
-    lines = [head, "|---" * (3 + 2 * len(labels)) + "|"]
-    for name, r in results.items():
-        cells = [f"{r[f'alpha_{label}']:.4f} | {r[f'tau_k{tau_k}_{label}']:.3f}" for label in labels]
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {r['head_mass']:.4f} | {r['head_greedy']:.4f} |")
-    return "\n".join(lines)
+from common.config import load_config
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=None, help="YAML config: target, distill.data_dirs, eval_samples")
     parser.add_argument("--drafts", nargs="+", required=True, help="draft folders (a run's final/ or best/)")
     parser.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.7])
@@ -104,23 +22,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     args = parser.parse_args(argv)
     config = load_config(args.config, args.overrides)
-    config.check_model_refs("target")
     if any(T <= 0 for T in args.temperatures):
         parser.error("--temperatures must be > 0 (greedy acceptance is always reported)")
-    tokenizer = load_tokenizer(config.target)
-    drafts = {}
-    problems = [f"--drafts: {problem}" for path in args.drafts if (problem := reference_problem(path))]
-    if problems:
-        raise ConfigError("\n".join(problems))
-    for path in args.drafts:
-        check_tokenizers(tokenizer, load_tokenizer(path))
-        drafts[path] = load_model(path)
-    results = held_out_acceptance(load_model(config.target), drafts, held_out_batches(config, tokenizer),
-                                  args.temperatures, config.distill.tau_k)
-    print(table(results, args.temperatures, config.distill.tau_k))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
-    return results
+    # Imported once the arguments are read and checked: the measurement brings in transformers (~6 s on 2 cores).
+    from distill.held_out_acceptance import compare
+
+    return compare(config, args.drafts, args.temperatures, args.json)
 
 
 if __name__ == "__main__":

@@ -24,8 +24,6 @@ from pathlib import Path
 from common.cli import cli_config, run_cli
 from common.config import Config, ConfigError, save_config
 from common.errors import UserError
-from common.models import reference_problem
-from distill.generation.rollout import draft_identity
 
 
 ROUNDS_FILE = "rounds.json"
@@ -75,6 +73,10 @@ def check_onpolicy(config: Config) -> str:
         raise ConfigError("make onpolicy stores the target's top-k over the draft's rollouts: set "
                           "generate.teacher_topk >= 1 (the training data's own top-k, so the folders mix)")
     first = str(Path(config.distill.out_dir) / "final")
+    # Imported here, not at the top: common.models brings in transformers (~6 s on 2 cores), which a bad setting
+    # (the config's own checks and the two above) is reported without.
+    from common.models import reference_problem
+
     problem = reference_problem(first)
     if problem:
         raise ConfigError(f"onpolicy: round 1 starts from the draft `make distill` writes to {first}, and {problem}; "
@@ -108,6 +110,8 @@ def write_rounds(root: Path, rounds: dict[int, dict]) -> None:
 
 def run_round(config: Config, r: int, start_draft: str, record: dict) -> dict:
     """Round r's missing stages; the updated record."""
+    from distill.generation.rollout import draft_identity  # reads the draft's weights: torch + transformers
+
     generate, train = round_configs(config, r, start_draft)
     folder = onpolicy_root(config) / f"round-{r}"
     rollouts, run = Path(generate.generate.out_dir), Path(train.distill.out_dir)

@@ -24,7 +24,7 @@ import yaml
 from common.cli import run_cli
 from common.config import Config, load_config
 from common.errors import UserError
-from distill.generate import load_runner
+from distill.generation.run import load_runner
 from distill.generation.equivalence import BF16_MAX_MEAN_KL, BF16_MIN_TOP1_AGREEMENT, compare_rows
 
 

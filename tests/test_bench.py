@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM
 from common.config import ConfigError, load_config
 from common.models import load_model
 from decode import generate, hf_baselines, speculative_generate
-from decode.bench import main, setup
+from decode.bench import main
+from decode.eval_speedup import setup
 from decode.serving import request_groups
 from decode.vocab import VocabSubset
 from distill.generation.shards import verify_shards

@@ -78,7 +78,7 @@ def no_model_loads(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the input was checked")
 
-    monkeypatch.setattr("decode.bench.load_model", refuse)
+    monkeypatch.setattr("decode.eval_speedup.load_model", refuse)
 
 
 def test_missing_or_doubled_feature_drafts_are_refused_before_any_model_loads(tmp_path, feature_folder, monkeypatch):
@@ -93,7 +93,7 @@ def test_a_feature_draft_for_another_target_is_refused_before_timing(tmp_path, m
     """tiny:draft is 32 wide and 1 layer deep; the check runs before any runner is built."""
     folder = tmp_path / "other"
     random_feature_draft(load_model("tiny:draft"), HEAD_IDS, target_layers=(0,)).save(folder)
-    monkeypatch.setattr("decode.bench.make_runner", lambda *a, **k: pytest.fail("a runner was built"))
+    monkeypatch.setattr("decode.eval_speedup.make_runner", lambda *a, **k: pytest.fail("a runner was built"))
     with pytest.raises(FeatureDraftMismatch, match="hidden size 32 vs the target's 64; trained on a 1-layer target"):
         eval_speedup(tmp_path, f"draft={folder}")
 
@@ -105,7 +105,7 @@ def test_a_feature_draft_saved_with_another_tokenizer_is_refused(tmp_path, monke
     tokenizer = load_tokenizer("tiny:target")
     tokenizer.add_tokens(["<not-in-the-target>"])
     tokenizer.save_pretrained(folder)
-    monkeypatch.setattr("decode.bench.make_runner", lambda *a, **k: pytest.fail("a runner was built"))
+    monkeypatch.setattr("decode.eval_speedup.make_runner", lambda *a, **k: pytest.fail("a runner was built"))
     with pytest.raises(TokenizerMismatch, match="tokenizers differ"):
         eval_speedup(tmp_path, "draft=tiny:draft", f"eval.feature_draft={folder}")
 
@@ -145,7 +145,7 @@ def test_trees_of_both_draft_kinds_beside_their_chains(tmp_path, feature_folder,
 
 
 def test_a_bad_tree_is_refused_before_any_model_loads(tmp_path, monkeypatch):
-    monkeypatch.setattr("decode.bench.load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr("decode.eval_speedup.load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     with pytest.raises(ConfigError, match="eval.trees: tree '3x0': every depth needs at least one child"):
         eval_speedup(tmp_path, "draft=tiny:draft", "eval.trees=[3x0]")
     with pytest.raises(ConfigError, match="node budget of 0"):

@@ -237,10 +237,14 @@ def test_cli_reports_config_errors_cleanly(capsys):
     assert capsys.readouterr().err.startswith("error: invalid config:\n  eval.ks: k=0")
 
 
-def test_make_distill_reports_a_bad_setting_before_loading_the_training_stack():
-    """The check takes the config alone (torch), not the recipes' transformers and accelerate (~8 s in all)."""
-    code = ("import sys\nfrom common.cli import run_cli\nfrom distill.train import main\ntry:\n"
-            f"    run_cli(main, ['--config', {str(TINY)!r}, 'distill.lr=abc'])\n"
+@pytest.mark.parametrize("module, args", [
+    ("distill.train", []), ("distill.generate", []), ("decode.bench", []), ("distill.features", []),
+    ("distill.onpolicy", []), ("distill.held_out", ["--drafts", "runs/x/final"]),
+])
+def test_every_stage_reports_a_bad_setting_before_loading_its_stack(module, args):
+    """The check takes the config alone (torch), not the stage's transformers and accelerate (~8 s in all)."""
+    code = (f"import sys\nfrom common.cli import run_cli\nfrom {module} import main\ntry:\n"
+            f"    run_cli(main, {args!r} + ['--config', {str(TINY)!r}, 'distill.lr=abc'])\n"
             "except SystemExit as e:\n    print(e.code, 'transformers' in sys.modules, 'accelerate' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
                          text=True, timeout=120)

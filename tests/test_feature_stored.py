@@ -12,7 +12,7 @@ import torch
 from common.config import ConfigError, load_config
 from common.models import load_model
 from distill.data import DataError, collate, load_examples
-from distill.features import FeatureSpec, features_dir
+from distill.feature_store import FeatureSpec, features_dir
 from distill.features import main as store_features
 from distill.training.feature import FeatureRecipe
 from distill.training.feature_stored import StoredFeatures, StoredFeatureTeacher, topk_subset_logp

@@ -21,7 +21,7 @@ from common.prompts import chat_token_ids, load_prompt_set
 from common.sampling import SamplingParams, sample, sample_rows, warp_probs
 from decode.runners.batched import LeanBatchedRunner
 from decode.runners.hf import HFBatchedRunner
-from distill.generate import run
+from distill.generation.run import run
 from distill.generation.batched_loop import generate_batch, score_batch
 from distill.generation.engine import Completion
 from distill.generation.pairs import clean_gsm8k
@@ -247,7 +247,7 @@ class FixedEngine:
 
 
 def test_run_needs_only_the_engine_interface(tmp_path, monkeypatch):
-    monkeypatch.setattr("distill.generate.RunnerEngine", lambda *args: FixedEngine())
+    monkeypatch.setattr("distill.generation.run.RunnerEngine", lambda *args: FixedEngine())
     moves = []
     real_batch_done = BatchProgress.batch_done
     monkeypatch.setattr(BatchProgress, "batch_done", lambda self, rows, tokens: (moves.append((rows, tokens)),

@@ -10,7 +10,8 @@ from common.config import ConfigError
 from common.models import load_model, load_tokenizer
 from decode.stats import expected_tau
 from distill.data import collate, load_examples
-from distill.held_out import draft_full_logits, held_out_acceptance, main
+from distill.held_out import main
+from distill.held_out_acceptance import draft_full_logits, held_out_acceptance
 from tests.conftest import small_llama, subset_llama
 from tests.synthetic_shards import write_scored_shards
 

@@ -10,7 +10,7 @@ import pytest
 from common.config import ConfigError, load_config
 from common.models import model_hash
 from distill import onpolicy
-from distill.generate import run as generate
+from distill.generation.run import run as generate
 from distill.onpolicy import mixture_weights, run_onpolicy
 from distill.train import train
 

@@ -129,7 +129,7 @@ def test_unreadable_prompt_files_are_named(tokenizer, tmp_path, name, content, m
 def test_a_local_file_given_for_evaluation_is_used_whole(tokenizer, tmp_path):
     """The hash split holds out prompts of sources that can feed training; a file named only for
     evaluation is all evaluation prompts (the old code kept ~10% of it and often found none)."""
-    from decode.bench import eval_prompts
+    from decode.eval_speedup import eval_prompts
 
     path = tmp_path / "mine.jsonl"
     path.write_text("\n".join(json.dumps({"prompt": f"Question number {i}?"}) for i in range(6)))

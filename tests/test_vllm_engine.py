@@ -27,7 +27,7 @@ import pytest
 
 from common.config import ConfigError, load_config
 from common.models import embedded_dir
-from distill.generate import load_runner, run
+from distill.generation.run import load_runner, run
 from distill.generation import vllm_wire as wire
 from distill.generation.engine_choice import choose_engine
 from distill.generation.equivalence import compare_rows, compare_topk

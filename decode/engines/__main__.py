@@ -21,7 +21,7 @@ from common.cli import cli_config, run_cli
 from common.config import Config, config_to_dict
 from common.models import load_tokenizer, tiny_model
 from common.provenance import git_revision
-from decode.bench import eval_prompts
+from decode.eval_speedup import eval_prompts
 from decode.engines.exports import draft_gguf, draft_hf, draft_kind, export_dir, target_gguf
 from decode.engines.hf_engine import run_hf
 from decode.engines.job import EngineJob

@@ -1,5 +1,6 @@
 """The parts of `make generate-data` (distill/generate.py is its entry point).
 
+    run.py            the stage: engine choice, plan, resume, this rank's shards, manifest
     plan.py           prompts -> rows -> shards, and the fingerprint a resume must match
     engine.py         the seam: Engine (rows in, completions out), Completion, per-row seeds, EOS ids
     engine_choice.py  generate.engine: project, vllm, or auto

@@ -24,7 +24,7 @@ from decode.drafts.feature.model import FeatureDraft
 from decode.drafts.feature.shape import build_feature_draft, choose_feature_shape, feature_layers
 from distill.checkpoint import latest_checkpoint
 from distill.export.hf import export_hf
-from distill.features import FeatureSpec
+from distill.feature_store import FeatureSpec
 from distill.training.feature_eval import evaluate_feature
 from distill.training.feature_loss import unrolled_loss
 from distill.training.feature_stored import StoredFeatures, StoredFeatureTeacher

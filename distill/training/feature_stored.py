@@ -1,7 +1,7 @@
 """The stored teacher of a feature draft (distill.teacher=stored): FeatureTeacher's FeatureBatch without
 running the target.
 
-  hidden       the hidden states `make features` stored (distill/features.py), cut to the example's
+  hidden       the hidden states `make features` stored (distill/feature_store.py), cut to the example's
                window: Example.origin names the shard row and where the kept tokens start in it
   embeds       the target's embedding of each next token: a lookup in its embedding matrix
   target_logp  from the shard's stored top-K (T = 1 log-probs of the distribution that predicted each
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from distill.data import DataError, Example
-from distill.features import FeatureSpec, check_folder, features_dir, features_file, is_current, shard_digests
+from distill.feature_store import FeatureSpec, check_folder, features_dir, features_file, is_current, shard_digests
 from distill.training.feature_teacher import FeatureBatch
 
 REST_FLOOR = 1e-6  # the cached teacher's floor on the mass outside the top-K (distill/losses.py)
