@@ -138,6 +138,7 @@ def training_recipe(folder: Path) -> dict | None:
             "data_dirs": distill.get("data_dirs"), "data_weights": distill.get("data_weights") or None,
             "init": distill.get("init"), "vocab_subset": distill.get("vocab_subset"),
             "outside_rank": distill.get("outside_rank", 0), "filter_hardest": distill.get("filter_hardest", 0.0),
+            "ema_decay": distill.get("ema_decay", 0.0),
             "seconds": metrics.get("elapsed_s"), "machine": (metrics.get("precision") or {}).get("machine")}
 
 def log_to_wandb(tracker, report: dict) -> None:

@@ -57,6 +57,8 @@ def recipe_lines(report: dict) -> list[str]:
             parts.append(f"factored outside rows of rank {recipe['outside_rank']}")
         if recipe["filter_hardest"]:
             parts.append(f"filter_hardest {recipe['filter_hardest']:g}")
+        if recipe.get("ema_decay"):
+            parts.append(f"weights averaged (ema_decay {recipe['ema_decay']:g})")
         if recipe["seconds"] is not None:
             parts.append(f"{recipe['seconds']:.0f} s of training on {recipe['machine']}")
         lines.append(f"- {name} trained by `make distill`: " + "; ".join(parts))

@@ -238,3 +238,14 @@ def test_resume_against_a_different_target_is_refused(data, tmp_path, change):
         expected = "hidden_size 64 -> 32" if change == "hidden" else "num_hidden_layers 3 -> 4"
     with pytest.raises(ConfigError, match=f"trained against a different target.*{expected}"):
         run(target_dir, data, tmp_path / "run", "distill.max_steps=4", "distill.eval_every=0")
+
+
+def test_a_feature_draft_exports_its_weight_average(target_dir, data, tmp_path):
+    run(target_dir, data, tmp_path, "distill.max_steps=4", "distill.eval_every=4", "distill.save_every=4",
+        "distill.ema_decay=0.5")
+    checkpoint = tmp_path / "checkpoints/step-4"
+    average = torch.load(checkpoint / "custom_checkpoint_1.pkl", weights_only=True)["average"]
+    exported = [(name, p) for name, p in FeatureDraft.load(tmp_path / "final").named_parameters() if p.requires_grad]
+    assert len(exported) == len(average) and all(torch.equal(a, p) for a, (_, p) in zip(average, exported))
+    trained = load_file(checkpoint / "model.safetensors")  # the training weights, which the average is not
+    assert any(not torch.equal(trained[f"draft.{name}"], p) for name, p in exported)

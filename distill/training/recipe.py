@@ -14,6 +14,7 @@ import json
 import math
 import signal
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from distill.training.resume import check_resumable
 from distill.training.run_log import RunLogger
 from distill.training.teacher import Teacher, draft_logits
 from distill.training.vocab_choice import choose_subset
+from distill.training.weight_average import WeightAverage
 
 
 class NonFiniteError(RuntimeError):
@@ -71,6 +73,9 @@ class DistillRecipe:
             # ZeRO-3 is refused with the config (common/config_training.py); FSDP comes from accelerate's own file.
             raise ConfigError("distill.outside_rank > 0 is not built for FSDP, which shards the outside factors the "
                               "loss reads outside the model's forward: use DDP or ZeRO-1/2 (the draft is small)")
+        if self.dc.ema_decay and shards_parameters(self.accelerator):
+            raise ConfigError("distill.ema_decay > 0 is not built for FSDP, which shards the weights the average "
+                              "follows: use DDP or ZeRO-1/2 (the draft is small)")
         from accelerate.utils import set_seed
 
         set_seed(config.seed)
@@ -170,6 +175,10 @@ class DistillRecipe:
         self.model, self.optimizer = self.accelerator.prepare(self.draft, optimizer)
         # The scheduler stays unwrapped (stepped once per optimizer step) but is saved with the state.
         self.accelerator.register_for_checkpointing(self.scheduler)
+        self.average = None
+        if self.dc.ema_decay:
+            self.average = WeightAverage(self.accelerator.unwrap_model(self.model).parameters(), self.dc.ema_decay)
+            self.accelerator.register_for_checkpointing(self.average)
         self.use_deepspeed = self.accelerator.distributed_type.name == "DEEPSPEED"
         self.say(f"batch: {self.dc.micro_batch_size} x {self.dc.grad_accum} accum x {self.world} ranks = "
                  f"{self.sampler.global_batch} examples/step, {self.sampler.steps_per_epoch} steps/epoch")
@@ -270,6 +279,8 @@ class DistillRecipe:
         if bad is None or self.use_deepspeed:
             self.optimizer.step()  # DeepSpeed: already stepped inside backward; this is a no-op
             self.scheduler.step()
+            if self.average is not None and bad is None:
+                self.average.update(self.state.step - self.state.bad_steps)
         self.optimizer.zero_grad(set_to_none=True)
         return float(grad_norm) if grad_norm is not None else float("nan"), bad
 
@@ -307,15 +318,21 @@ class DistillRecipe:
             return f"early stop: α has not improved for {self.state.evals_since_best} evaluations"
         return None
 
+    def evaluated_weights(self):
+        """What evaluations and exports read: the weight average (distill.ema_decay) swapped into the model,
+        else the weights as trained."""
+        return self.average.swapped_in() if self.average is not None else nullcontext()
+
     def run_eval(self) -> dict:
         """Held-out metrics, logged; a new best α is exported to best/."""
-        metrics = self.held_out_metrics()
         state = self.state
-        if metrics["eval/alpha"] > state.best_alpha:
-            state.best_alpha, state.best_step, state.evals_since_best = metrics["eval/alpha"], state.step, 0
-            self.export(self.out_dir / "best", {"step": state.step, **metrics})
-        else:
-            state.evals_since_best += 1
+        with self.evaluated_weights():
+            metrics = self.held_out_metrics()
+            if metrics["eval/alpha"] > state.best_alpha:
+                state.best_alpha, state.best_step, state.evals_since_best = metrics["eval/alpha"], state.step, 0
+                self.export(self.out_dir / "best", {"step": state.step, **metrics})
+            else:
+                state.evals_since_best += 1
         self.logger.log(state.step, metrics)
         self.logger.message(f"step {state.step}: " + ", ".join(f"{k[5:]} {v:.4g}" for k, v in metrics.items()))
         self.last_eval_step = state.step
@@ -377,7 +394,8 @@ class DistillRecipe:
             if self.is_main:
                 copy_hf(best, self.out_dir / "final", {"metrics.json": json.dumps(summary, indent=1)})
         else:
-            self.export(self.out_dir / "final", summary)
+            with self.evaluated_weights():
+                self.export(self.out_dir / "final", summary)
         self.accelerator.wait_for_everyone()
         if self.is_main:
             (self.out_dir / "final_metrics.json").write_text(json.dumps(summary, indent=1))
