@@ -96,7 +96,9 @@ def torchrun(*args, timeout=240):
     return result
 
 
-STEPS = ["distill.max_steps=3", "distill.eval_every=0", "distill.save_every=0"]
+# With the weight average on, the final/ weights compared are averages (distill/training/weight_average.py), which
+# two ranks and DeepSpeed ZeRO-2 must reproduce as well.
+STEPS = ["distill.max_steps=3", "distill.eval_every=0", "distill.save_every=0", "distill.ema_decay=0.5"]
 # Splitting a step changes only float summation order. Losses agree to 1e-5; AdamW divides by
 # √v, so where a gradient is ~0 that noise can move a weight by up to about lr (3e-3 here): weights
 # are compared at 2e-4, far below the ~1e-2 that 3 steps move them, except a few per tensor, within lr.
