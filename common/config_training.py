@@ -201,7 +201,7 @@ class DistillConfig:
     """Evaluate, keep and export an exponential moving average of the draft's weights, decayed by this much
     per optimizer step (the plain mean of the steps so far until 1 / (1 - ema_decay) of them), instead of
     the weights of the last step; training itself goes on from the last step's. 0 = off. At the demo's
-    budget 0.995 raised exact held-out α by 0.012-0.014 over the best evaluated step (docs/results.md)."""
+    budget 0.995 raised exact held-out α by 0.007-0.016 over the best evaluated step (docs/results.md)."""
     max_minutes: float = 0.0
     """Stop training after this many minutes of wall-clock (0 = no limit)."""
     grad_clip: float = 1.0

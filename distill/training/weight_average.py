@@ -2,7 +2,7 @@
 
 A small draft trained at a high learning rate ends on weights that jitter from step to step; their
 average over the last few hundred steps predicts the target better than any one step (at the demo's
-budget, decay 0.995: held-out α +0.012-0.014 over the best evaluated step, docs/results.md). Training
+budget, decay 0.995: exact held-out α +0.007-0.016 over the best evaluated step, docs/results.md). Training
 goes on from the last step's weights; evaluations and exports read the average.
 """
 
