@@ -189,6 +189,9 @@ class DistillConfig:
     """Distillation temperature applied to both teacher and student logits."""
     max_seq_len: int = 512
     micro_batch_size: int = 8
+    group_by_length: int = 0
+    """Sort each run of this many steps' examples by length and cut it into steps (the steps then shuffled),
+    so a batch pads less; 0 = every step a random draw of the epoch."""
     grad_accum: int = 1
     lr: float = 3e-3
     weight_decay: float = 0.0
@@ -286,6 +289,8 @@ class DistillConfig:
             out.append(f"distill.lk_eta={self.lk_eta} must be >= 0 (0 = forward KL alone)")
         if self.kd_temperature <= 0:
             out.append(f"distill.kd_temperature={self.kd_temperature} must be > 0")
+        if self.group_by_length < 0:
+            out.append(f"distill.group_by_length={self.group_by_length} must be >= 0 (0 = off)")
         for name in ("micro_batch_size", "grad_accum", "max_steps", "max_seq_len", "tau_k"):
             if getattr(self, name) < 1:
                 out.append(f"distill.{name} must be >= 1")

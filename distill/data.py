@@ -155,15 +155,23 @@ class StepSampler:
     With mixture `weights` (one per group, `groups[i]` = example i's group), each epoch of n examples
     draws round(n · w_g / Σw) of them from group g: a fresh seeded permutation of the group, repeated
     when the group is smaller than its share (oversampled) and cut when larger. Without weights every
-    example appears exactly once per epoch."""
+    example appears exactly once per epoch.
+
+    With `lengths` and `length_window` > 0, each run of `length_window` steps' examples of the epoch's order is
+    sorted by length and cut into steps, and the epoch's full steps are then shuffled: a batch holds rows of
+    similar length, so it pads less (collate pads to the batch's longest row), and the epoch still holds the
+    same examples."""
 
     def __init__(self, num_examples: int, micro_batch_size: int, grad_accum: int, world_size: int, seed: int,
-                 groups: list[int] | None = None, weights: list[float] | None = None):
+                 groups: list[int] | None = None, weights: list[float] | None = None,
+                 lengths: list[int] | None = None, length_window: int = 0):
         self.n = num_examples
         self.micro, self.accum, self.world = micro_batch_size, grad_accum, world_size
         self.global_batch = micro_batch_size * grad_accum * world_size
         self.steps_per_epoch = math.ceil(num_examples / self.global_batch)
         self.seed = seed
+        self.lengths = lengths if length_window else None
+        self.length_window = length_window
         self.members = self.quotas = None
         if weights:
             groups = torch.tensor(groups if groups is not None else [0] * num_examples)
@@ -172,6 +180,10 @@ class StepSampler:
 
     def epoch_order(self, epoch: int) -> list[int]:
         generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+        order = self.shuffled(generator)
+        return self.grouped_by_length(order, generator) if self.lengths is not None else order
+
+    def shuffled(self, generator: torch.Generator) -> list[int]:
         if self.members is None:
             return torch.randperm(self.n, generator=generator).tolist()
         picks = []
@@ -182,6 +194,17 @@ class StepSampler:
                                         for _ in range(repeats)])[:quota])
         order = torch.cat(picks)
         return order[torch.randperm(len(order), generator=generator)].tolist()
+
+    def grouped_by_length(self, order: list[int], generator: torch.Generator) -> list[int]:
+        window = self.global_batch * self.length_window
+        steps = []
+        for start in range(0, len(order), window):
+            part = sorted(order[start:start + window], key=lambda i: self.lengths[i], reverse=True)
+            steps += [part[b:b + self.global_batch] for b in range(0, len(part), self.global_batch)]
+        # only the epoch's last step can be short; it stays last so every other step is a full one
+        short = [steps.pop()] if len(steps[-1]) < self.global_batch else []
+        steps = [steps[i] for i in torch.randperm(len(steps), generator=generator).tolist()] + short
+        return [i for step in steps for i in step]
 
     def micro_batches(self, step: int, rank: int) -> list[list[int]]:
         """[grad_accum] lists of example indices for `rank` at 0-based optimizer step `step` (may be empty)."""

@@ -130,6 +130,27 @@ def test_sharding_covers_every_example_once_per_epoch():
             sorted(i for r in range(2) for m in two.micro_batches(step, r) for i in m)
 
 
+def test_grouping_by_length_pads_less_and_keeps_every_example_once_per_epoch():
+    """25 rows of lengths 1..25 shuffled, 4 a step, windows of 3 steps: every step but the epoch's short last one
+    is full, each epoch holds every row once, a step's rows are close in length, and the same seed repeats it."""
+    lengths = torch.randperm(25, generator=torch.Generator().manual_seed(1)).add(1).tolist()
+
+    def padding(sampler):
+        steps = [sampler.micro_batches(step, 0)[0] for step in range(sampler.steps_per_epoch)]
+        return sum(max(lengths[i] for i in s) * len(s) - sum(lengths[i] for i in s) for s in steps), steps
+
+    grouped = StepSampler(25, 4, 1, 1, seed=5, lengths=lengths, length_window=3)
+    random_draw = StepSampler(25, 4, 1, 1, seed=5)
+    (pad_grouped, steps), (pad_random, _) = padding(grouped), padding(random_draw)
+    assert sorted(i for s in steps for i in s) == list(range(25))
+    assert [len(s) for s in steps] == [4] * 6 + [1]
+    assert pad_grouped < pad_random / 2
+    assert grouped.epoch_order(1) != grouped.epoch_order(0)
+    assert StepSampler(25, 2, 2, 1, seed=5, lengths=lengths, length_window=3).epoch_order(0) == grouped.epoch_order(0)
+    assert StepSampler(25, 4, 1, 1, seed=5, lengths=lengths, length_window=0).epoch_order(0) == \
+        random_draw.epoch_order(0)
+
+
 def test_a_mixture_draws_each_folders_share_of_every_epoch():
     """20 rows of folder 0 and 5 of folder 1 weighed 0.5 / 0.5: each epoch of 25 holds 12-13 of each, the small
     folder repeated, the large one sampled; the same steps give the same examples (resume needs nothing else)."""

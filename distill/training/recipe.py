@@ -138,7 +138,8 @@ class DistillRecipe:
         self.tokenizer = load_tokenizer(self.config.target)
         self.say(f"data: {len(self.train_set)} train / {len(self.eval_set)} eval examples from {dc.data_dirs}")
         self.sampler = StepSampler(len(self.train_set), dc.micro_batch_size, dc.grad_accum, self.world,
-                                   self.config.seed, [ex.folder for ex in self.train_set], dc.data_weights)
+                                   self.config.seed, [ex.folder for ex in self.train_set], dc.data_weights,
+                                   [len(ex.ids) for ex in self.train_set], dc.group_by_length)
         if dc.data_weights:
             self.say("mixture: " + ", ".join(f"{d} {q} of {len(m)} rows per epoch" for d, q, m in
                                               zip(dc.data_dirs, self.sampler.quotas, self.sampler.members)))
