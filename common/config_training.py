@@ -243,6 +243,9 @@ class DistillConfig:
     """Feature draft: steps it is unrolled on its own outputs in training (EAGLE-3's training-time test)."""
     ttt_decay: float = 0.8
     """Feature draft: the loss of unrolled step j weighs ttt_decay**j (EAGLE-3's 0.8)."""
+    ttt_reach: bool = False
+    """Feature draft: also weigh unrolled step j's loss at each position by the chance the decoder reaches it,
+    the product of the draft's acceptance at the block's steps before it (distill/training/feature_loss.py)."""
 
     def problems(self) -> list[str]:
         """This section's impossible values, one message each; warns about unusual draft sizes."""
@@ -252,6 +255,9 @@ class DistillConfig:
         out += not_one_of("distill.draft_kind", self.draft_kind, ("standalone", "feature"))
         if self.draft_kind == "feature":
             out += self._feature_problems()
+        elif self.ttt_reach:
+            out.append("distill.ttt_reach weighs the unrolled steps of a feature draft; a standalone draft is not "
+                       "unrolled: set distill.draft_kind=feature or leave distill.ttt_reach=false")
         elif self.teacher == "stored":
             out.append("distill.teacher=stored reads the hidden states `make features` stores for a feature draft: "
                        "set distill.draft_kind=feature, or use distill.teacher=cached or online")

@@ -113,6 +113,7 @@ def test_wrong_types(override, message):
     ("distill.loss={forward_kl: 0}", "weights must be >= 0 with at least one > 0"),
     ("distill.micro_batch_size=0", "distill.micro_batch_size must be >= 1"),
     ("distill.group_by_length=-1", r"distill.group_by_length=-1 must be >= 0"),
+    ("distill.ttt_reach=true", "distill.ttt_reach weighs the unrolled steps of a feature draft"),
     ("distill.precision=bfloat16", "distill.precision"),
     ("distill.embed_init=zeros", "distill.embed_init"),
     ("distill.deepspeed_config=configs/no-such.json", "deepspeed_config: 'configs/no-such.json' does not exist"),

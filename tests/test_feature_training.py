@@ -20,6 +20,7 @@ from distill.checkpoint import latest_checkpoint
 from distill.train import train
 from distill.training.feature import FeatureRecipe
 from distill.training.feature_eval import tau_from_step_alphas
+from distill.training.feature_loss import reach_weights
 from distill.training.feature_teacher import step_masks
 from tests.conftest import small_llama
 from tests.synthetic_shards import write_scored_shards
@@ -94,10 +95,13 @@ def test_step_masks_leave_out_positions_without_context():
     assert masks[2].tolist() == [[False, False, True, False], [False, False, True, True]]
 
 
-def test_unrolled_loss_counts_step_j_only_from_position_j(target_dir, data, tmp_path):
+@pytest.mark.parametrize("reach", [False, True])
+def test_unrolled_loss_counts_step_j_only_from_position_j(target_dir, data, tmp_path, reach):
     """A one-token prompt puts draft positions at i = 0, 1, 2: step 1 may use i >= 1 and step 2 only i = 2.
-    The recipe's loss must equal Σ_j 0.8^j Σ_{i >= j} m_i KL(p̂_i ‖ draft_ij), computed here from scratch."""
-    recipe = FeatureRecipe(feature_config(target_dir, data, tmp_path))
+    The recipe's loss must equal Σ_j 0.8^j Σ_{i >= j} w_ij m_i KL(p̂_i ‖ draft_ij), computed here from scratch:
+    w_ij = 1, or with distill.ttt_reach the product of Σ min(p, q) at the block's earlier steps
+    (step m at i - j + m)."""
+    recipe = FeatureRecipe(feature_config(target_dir, data, tmp_path, f"distill.ttt_reach={str(reach).lower()}"))
     assert recipe.setup()
     ids = torch.tensor([[400, 401, 402, 403, 404]])  # prompt [400], completion [401..404]
     batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:], "attention_mask": torch.ones(1, 4, dtype=torch.long),
@@ -111,14 +115,31 @@ def test_unrolled_loss_counts_step_j_only_from_position_j(target_dir, data, tmp_
         hidden = torch.stack([out.hidden_states[i + 1] for i in (0, 2)], dim=2)
         target_probs = torch.softmax(out.logits[0], -1)[:, recipe.subset.ids]  # [4, N]
         outs = draft.unrolled(hidden, target.get_input_embeddings()(batch["labels"]), 3)
+        draft_probs = [torch.softmax(draft.logits(step_out[0]), -1) for step_out in outs]  # [4, N] per step
         expected = 0.0
-        for j, step_out in enumerate(outs):
-            draft_logp = torch.log_softmax(draft.logits(step_out[0]), -1)  # [4, N]
+        for j in range(3):
             for i in range(j, 3):  # draft position i is taught by the target at i + 1
                 mass = target_probs[i + 1].sum()
                 p_hat = target_probs[i + 1] / mass
-                expected += 0.8 ** j * mass * (p_hat * (p_hat.log() - draft_logp[i])).sum()
+                reach_ij = 1.0
+                for m in range(j) if reach else ():
+                    reach_ij *= torch.minimum(draft_probs[m][i - j + m], target_probs[i - j + m + 1]).sum()
+                expected += 0.8 ** j * reach_ij * mass * (p_hat * (p_hat.log() - draft_probs[j][i].log())).sum()
     assert float(loss.detach()) == pytest.approx(float(expected), rel=1e-4)
+
+
+def test_reach_weights_multiply_the_blocks_earlier_acceptance():
+    """Step j at position i belongs to the block whose step m sits at i - j + m; a position without a
+    teacher (the prompt) counts as accepted, and a rejected step 0 leaves its block's later steps nothing."""
+    positions = torch.tensor([[False, True, True, True, True]])
+    masks = step_masks(positions, 3)
+    alphas = [torch.tensor([0.5, 0.0, 0.8, 0.9]), torch.tensor([0.6, 0.7, 0.4, 0.1]), torch.tensor([0.3, 0.2, 0.9])]
+    reach = reach_weights(masks, alphas)
+    assert reach[0].tolist() == [1.0, 1.0, 1.0, 1.0]
+    # Step 1 at i = 1..4: step 0 at i - 1 (i = 1: the prompt position, no teacher).
+    assert reach[1].tolist() == pytest.approx([1.0, 0.5, 0.0, 0.8])
+    # Step 2 at i = 2..4: step 0 at i - 2 and step 1 at i - 1.
+    assert reach[2].tolist() == pytest.approx([1.0 * 0.6, 0.5 * 0.7, 0.0 * 0.4])
 
 
 def test_head_starts_from_the_target_rows_of_the_subset(target_dir):

@@ -7,7 +7,8 @@ layers the draft reads, the embedding of each next token and its own distributio
 distill.teacher=stored the hidden states come from `make features` and the distribution from the shards'
 top-K instead, and the target runs only for held-out evaluation (feature_stored.py);
 the draft is unrolled distill.ttt_steps times on its own outputs (EAGLE-3's training-time test) and
-each step's loss (feature_loss.py) is weighted ttt_decay**j. best/ and final/ hold FeatureDraft.save
+each step's loss (feature_loss.py) is weighted ttt_decay**j (with distill.ttt_reach also by the chance the
+decoder reaches it). best/ and final/ hold FeatureDraft.save
 plus the target's tokenizer files and the run's config.yaml and metrics.json.
 """
 
@@ -130,7 +131,7 @@ class FeatureRecipe(DistillRecipe):
         """(Σ loss over the unrolled steps, step 0's draft log-probs and renormalised target, finite)."""
         features, masks, step_logits = self.unrolled(batch, self.dc.ttt_steps)
         rows = [mask[features.positions] for mask in masks]  # [n] per step: its rows of the teacher's n
-        loss_sum, draft_logp, target_logp = unrolled_loss(self.dc, step_logits, features.target_logp, rows)
+        loss_sum, draft_logp, target_logp = unrolled_loss(self.dc, step_logits, features.target_logp, rows, masks)
         return loss_sum, draft_logp, target_logp, features.finite and bool(torch.isfinite(loss_sum))
 
     def skip_micro_batch(self) -> None:

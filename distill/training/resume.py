@@ -31,9 +31,9 @@ MAY_CHANGE = ("name", "draft", "generate.", "eval.", "engines.", "wandb.", "dist
 # Settings added to the schema after runs were made, each with the value that does what those runs did
 # (a run written before distill.data_weights existed read every row once per epoch; one before
 # distill.filter_hardest, every position; one before distill.ema_decay, the last step's weights; one before
-# distill.group_by_length, steps drawn at random).
+# distill.group_by_length, steps drawn at random; one before distill.ttt_reach, every position of a step alike).
 ADDED_SETTINGS = {"distill.data_weights": [], "distill.filter_hardest": 0.0, "distill.ema_decay": 0.0,
-                  "distill.group_by_length": 0}
+                  "distill.group_by_length": 0, "distill.ttt_reach": False}
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
