@@ -140,6 +140,10 @@ def test_reach_weights_multiply_the_blocks_earlier_acceptance():
     assert reach[1].tolist() == pytest.approx([1.0, 0.5, 0.0, 0.8])
     # Step 2 at i = 2..4: step 0 at i - 2 and step 1 at i - 1.
     assert reach[2].tolist() == pytest.approx([1.0 * 0.6, 0.5 * 0.7, 0.0 * 0.4])
+    # A batch shorter than the steps (one position): no earlier step exists, nothing is indexed out of range.
+    short = step_masks(torch.tensor([[True]]), 3)
+    assert [r.tolist() for r in reach_weights(short, [torch.tensor([0.5]), torch.zeros(0), torch.zeros(0)])] == \
+        [[1.0], [], []]
 
 
 def test_head_starts_from_the_target_rows_of_the_subset(target_dir):

@@ -13,7 +13,6 @@ draft as hard as a position it can actually win.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from distill.losses import mixed_loss
 
@@ -46,7 +45,7 @@ def reach_weights(step_masks: list[torch.Tensor], step_acceptance: list[torch.Te
         reach = grids[0].new_ones(mask.shape)
         for m in range(j):
             shift = j - m  # step m of the block sits `shift` positions before step j
-            reach = reach * F.pad(grids[m][:, :-shift], (shift, 0), value=1.0)
+            reach[:, shift:] *= grids[m][:, :max(mask.shape[1] - shift, 0)]
         out.append(reach[mask])
     return out
 
