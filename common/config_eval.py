@@ -35,8 +35,9 @@ class EvalConfig:
     """'auto': the lean Llama runner where it applies ('graph', its CUDA-graph replay, on CUDA);
     'lean' or 'graph' require it; 'hf' forces HF forwards with a DynamicCache."""
     dtype: str = "auto"
-    """'auto' (bf16 on a GPU with native bf16; fp32 on CPUs, even with AMX: batch-1 decoding feeds its
-    GEMMs 1-9 rows, where bf16 ran slower than fp32), 'fp32' or 'bf16'."""
+    """'auto' (bf16 on a GPU with native bf16 and on a CPU with AMX, where oneDNN's packed bf16 GEMMs beat
+    fp32 at 1-65 rows; fp32 on other CPUs), 'fp32' or 'bf16'. In bf16 on a CPU each row of a forward gets
+    the bits a one-token forward gives it, so speculative output equals bf16 target-only token for token."""
     hf_prompts: int = 0
     """HF baselines on the first this-many prompts of each set (0: all of them), compared with our runs
     on the same prompts: HF generate is the slowest part of eval-speedup on a CPU."""

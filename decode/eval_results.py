@@ -51,7 +51,9 @@ def aggregate(runs: list[dict], costs: dict[str, dict]) -> list[dict]:
         cost = costs[draft_kind(proposer)]
         # Verified per target forward: k drafted tokens for a chain, the tree's nodes (fewer near the end).
         verified = stats.proposed / stats.target_forwards if stats.target_forwards else 0.0
-        r_block = cost["r"][k] if not tree and k in cost["r"] else verify_cost(cost["r"], max(verified, 1.0))
+        # Reports from before r_tree was measured price trees by r.
+        r_block = (verify_cost(cost.get("r_tree", cost["r"]), max(verified, 1.0)) if tree else
+                   cost["r"][k] if k in cost["r"] else verify_cost(cost["r"], max(verified, 1.0)))
         predicted = predicted_speedup(stats.tau, stats.draft_steps_per_forward, cost["c"], r_block)
         speedup = spec_tok_s / base_tok_s
         greedy = [r["greedy_identical"] for r in group if r["greedy_identical"] is not None]

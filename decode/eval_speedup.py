@@ -239,18 +239,21 @@ def measure_costs(s: Setup) -> dict[str, dict]:
     k = 1..eval.r_max_k, and node counts up to the largest tree's (nodes=auto trees read r between them)."""
     context = first_prompt_ids(s)
     ks = list(range(1, s.cfg.eval.r_max_k + 1))
+    tree_ks = []
     if s.trees:
         largest = max(shape.max_nodes for shape in s.trees)
         ks += [n for n in TREE_R_NODES if n < largest] + [largest]
+        tree_ks = ks
     costs = {}
     if s.draft_runner is not None:
-        costs["draft"] = cost_model(s.target_runner, s.draft_runner, context, ks)
+        costs["draft"] = cost_model(s.target_runner, s.draft_runner, context, ks, tree_ks=tree_ks,
+                                    tree_runner=s.tree_runner)
     if s.feature is not None:
         steps = FeatureDraftSteps(s.feature, s.target.get_input_embeddings().weight)
-        costs["feature"] = cost_model(s.feature_runner, steps, context, ks)
+        costs["feature"] = cost_model(s.feature_runner, steps, context, ks, tree_ks=tree_ks)
     for name, proposer in s.tree_proposers.items():
         cost = costs[draft_kind(name)]
-        proposer.costs = (cost["c"], functools.partial(verify_cost, cost["r"]))
+        proposer.costs = (cost["c"], functools.partial(verify_cost, cost["r_tree"]))
     return costs
 
 

@@ -141,6 +141,7 @@ def cost_model_lines(report: dict) -> list[str]:
               "| k | " + " | ".join(str(k) for k in cm["r"]) + " |",
               "|---|" + "---|" * len(cm["r"]),
               "| r(k) | " + " | ".join(f"{v:.2f}" for v in cm["r"].values()) + " |"]
+    lines += tree_cost_lines(cm)
     feature_cost = report.get("feature_cost_model")
     if feature_cost and report.get("draft"):  # alone, the feature draft's is the cost model above
         fc, fc_end = feature_cost["start"], feature_cost["end"]
@@ -150,7 +151,18 @@ def cost_model_lines(report: dict) -> list[str]:
                   "Its s also counts the forwards through looked-up tokens it reads before drafting again.", "",
                   "| k | " + " | ".join(str(k) for k in fc["r"]) + " |", "|---|" + "---|" * len(fc["r"]),
                   "| r(k) | " + " | ".join(f"{v:.2f}" for v in fc["r"].values()) + " |"]
+        lines += tree_cost_lines(fc)
     return lines
+
+
+def tree_cost_lines(cost: dict) -> list[str]:
+    """r_tree(n), where trees were measured: a masked forward over an n-node tree ÷ one target step."""
+    if "r_tree" not in cost:
+        return []
+    return ["", "r_tree(n): the target forward over an n-node tree (a star: siblings' slots between a row's keys) "
+                "÷ one target step; the tree rows' prediction reads it.", "",
+            "| n | " + " | ".join(str(k) for k in cost["r_tree"]) + " |", "|---|" + "---|" * len(cost["r_tree"]),
+            "| r_tree(n) | " + " | ".join(f"{v:.2f}" for v in cost["r_tree"].values()) + " |"]
 
 
 def serving_lines(serving: dict) -> list[str]:

@@ -38,22 +38,43 @@ def _time_forward(runner: Runner, context_len: int, probe: torch.Tensor, full_vo
     return times[0]
 
 
+def _time_tree_forward(runner: Runner, context_len: int, probe: torch.Tensor) -> float:
+    """A verification forward of a star tree: the next token, then probe[1:] as its children (each row
+    seeing the context, that token and itself: the gaps between siblings a tree's rows have)."""
+    m = probe.shape[0]
+    visible = torch.zeros(m, context_len + m, dtype=torch.bool)
+    visible[:, : context_len + 1] = True
+    visible[torch.arange(m), context_len + torch.arange(m)] = True
+    positions = torch.full((m,), context_len + 1)
+    positions[0] = context_len
+    times: list[float] = []
+    with timed(runner.device, times):
+        runner.forward_masked(probe, positions, visible, m)
+    runner.rollback(context_len)
+    return times[0]
+
+
 def cost_model(target_runner: Runner, draft_runner: Runner, context: list[int], ks: list[int],
-               repeats: int = 9) -> dict:
+               repeats: int = 9, tree_ks: list[int] = (), tree_runner: Runner | None = None) -> dict:
     """Measure c = draft step / target step and r(k) = target forward over k+1 tokens / target step, for
-    each k of `ks` (a chain's draft lengths, a tree's node counts).
+    each k of `ks` (a chain's draft lengths, a tree's node counts), and r_tree(k) of a masked forward
+    over a k-node tree for each of `tree_ks` on `tree_runner` (default: the target runner) against the
+    target runner's step (a tree's forward can cost more than a chain's: a bf16 lean runner gathers each
+    tree row's keys, decode/runners/lean.py).
 
     Every repeat times the one-token steps and each (k+1)-token forward back to back, and the
     ratios are formed within a repeat before taking medians, so a slow moment on a shared
     machine moves numerator and denominator together instead of skewing one of them.
     """
-    for runner in (target_runner, draft_runner):
+    tree_runner = tree_runner or target_runner
+    for runner in {id(r): r for r in (target_runner, draft_runner, tree_runner)}.values():
         runner.reset()
         runner.forward(torch.tensor(context), 1)
     n = len(context)
-    probes = {m: torch.tensor((context * (m // n + 1))[-m:]) for m in [1] + [k + 1 for k in ks]}
+    probes = {m: torch.tensor((context * (m // n + 1))[-m:]) for m in [1] + [k + 1 for k in [*ks, *tree_ks]]}
     target_steps, draft_steps, c_ratios = [], [], []
     r_ratios: dict[int, list[float]] = {k: [] for k in sorted(set(ks))}
+    tree_ratios: dict[int, list[float]] = {k: [] for k in sorted(set(tree_ks))}
     for i in range(repeats + 1):  # the first round warms up allocations for every shape
         step = _time_forward(target_runner, n, probes[1])
         # Draft steps come in runs of k after each target forward (which evicts the draft's
@@ -61,17 +82,22 @@ def cost_model(target_runner: Runner, draft_runner: Runner, context: list[int], 
         # subset draft's logits stay over its rows there).
         draft = sum(_time_forward(draft_runner, n, probes[1], False) for _ in range(DRAFT_RUN)) / DRAFT_RUN
         verify = {k: _time_forward(target_runner, n, probes[k + 1]) for k in r_ratios}
+        verify_tree = {k: _time_tree_forward(tree_runner, n, probes[k + 1]) for k in tree_ratios}
         if i == 0:
             continue
         target_steps.append(step)
         draft_steps.append(draft)
         c_ratios.append(draft / step)
-        for k, seconds in verify.items():
-            r_ratios[k].append(seconds / step)
-    return {"target_step_ms": 1e3 * statistics.median(target_steps),
-            "draft_step_ms": 1e3 * statistics.median(draft_steps),
-            "c": statistics.median(c_ratios), "r": {k: statistics.median(v) for k, v in r_ratios.items()},
-            "context_tokens": n}
+        for ratios, timings in ((r_ratios, verify), (tree_ratios, verify_tree)):
+            for k, seconds in timings.items():
+                ratios[k].append(seconds / step)
+    model = {"target_step_ms": 1e3 * statistics.median(target_steps),
+             "draft_step_ms": 1e3 * statistics.median(draft_steps),
+             "c": statistics.median(c_ratios), "r": {k: statistics.median(v) for k, v in r_ratios.items()},
+             "context_tokens": n}
+    if tree_ratios:
+        model["r_tree"] = {k: statistics.median(v) for k, v in tree_ratios.items()}
+    return model
 
 
 # Is the machine quiet enough to trust one run's timings? Each signal looks for instability inside

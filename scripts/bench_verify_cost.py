@@ -13,6 +13,11 @@ medians over repeats after --warmup discarded ones, with the 25-75% range. On a 
     python scripts/bench_verify_cost.py --repeats 15
     python scripts/bench_verify_cost.py --repeats 15 --fixed-layouts   # + lean with the pre-2026-12-02 layout rule
     python scripts/bench_verify_cost.py --device cuda --dtype bf16
+    python scripts/bench_verify_cost.py --runners lean --dtype fp32 bf16 --ks 1 4 8 16 32 64   # dtypes side by side
+
+With several dtypes each runner is built once per dtype ("lean bf16"), all timed interleaved, and the
+last column gives each forward in steps of the first dtype's runner ("÷ lean fp32"): what a
+verification costs against the faster target-only loop.
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prefix", type=int, default=100, help="cached context before each timed forward")
     p.add_argument("--max-k", type=int, default=8, help="largest number of drafted tokens verified")
+    p.add_argument("--ks", type=int, nargs="+", default=None,
+                   help="drafted tokens (or tree nodes) to time instead of 1..--max-k")
+    p.add_argument("--runners", nargs="+", choices=["hf", "lean"], default=["hf", "lean"])
     p.add_argument("--repeats", type=int, default=15, help="timed repeats (medians are over these)")
     p.add_argument("--warmup", type=int, default=3, help="untimed repeats first")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -52,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--draft-steps", type=int, default=200, help="timed draft steps per runner")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu or cuda (adds the CUDA-graph runner)")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], nargs="+", default=["fp32"])
     p.add_argument("--fixed-layouts", action="store_true",
                    help="also time 'lean-fixed': the lean runner with the layout rule used before layouts were "
                         "measured per machine (gemv for a small draft's layers, w @ x.T for 1-2 rows, packed for more)")
@@ -69,8 +77,9 @@ def build_draft(hidden: int, layers: int, subset: int, seed: int) -> LlamaForCau
     return LlamaForCausalLM(config).eval()
 
 
-def make_runners(model: LlamaForCausalLM, fixed_layouts: bool = False) -> dict:
-    runners = {"hf": HFRunner(model, VOCAB), "lean": LeanRunner(model, VOCAB)}
+def make_runners(model: LlamaForCausalLM, names: list[str], fixed_layouts: bool = False) -> dict:
+    kinds = {"hf": HFRunner, "lean": LeanRunner}
+    runners = {name: kinds[name](model, VOCAB) for name in names}
     if fixed_layouts:
         runners["lean-fixed"] = fixed_rule_runner(model)
     if next(model.parameters()).device.type == "cuda":
@@ -83,8 +92,8 @@ class FixedRuleProjection(projection.Projection):
     machine: gemv for a small draft's layers (< 256 inputs and < 4096 outputs), w @ x.T for 1-2 rows,
     oneDNN packed weights for more (CPU fp32 only)."""
 
-    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, cpu_fp32: bool):
-        super().__init__(w, bias, cpu_fp32, layouts=("packed",) * len(projection.TIMED_ROWS))
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__(w, bias, layouts=("packed",) * len(projection.TIMED_ROWS))
         self.few_rows = "linear" if w.shape[1] < 256 and w.shape[0] < 4096 else "mm"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -138,27 +147,38 @@ def main(argv=None) -> None:
           f"repeats: {args.repeats} (+{args.warmup} warm-up)")
 
     device = torch.device(args.device)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    target = load_model(EMBEDDED, device, dtype)
-    runners = make_runners(target, args.fixed_layouts)
+    dtypes = {name: {"fp32": torch.float32, "bf16": torch.bfloat16}[name] for name in args.dtype}
+    named = (lambda name, dtype: name) if len(dtypes) == 1 else (lambda name, dtype: f"{name} {dtype}")
+    runners = {}
+    for dtype_name, dtype in dtypes.items():
+        target = load_model(EMBEDDED, device, dtype)
+        for name, runner in make_runners(target, args.runners, args.fixed_layouts).items():
+            runners[named(name, dtype_name)] = runner
     prefix = torch.randint(0, VOCAB, (args.prefix,), generator=torch.Generator().manual_seed(args.seed))
-    lengths = list(range(1, args.max_k + 2))
+    lengths = sorted({1} | {k + 1 for k in args.ks}) if args.ks else list(range(1, args.max_k + 2))
     times = time_forwards(runners, prefix, lengths, args.repeats, args.warmup, clock)
 
     step = {name: summary(times[(name, 1)])[0] for name in runners}
     for name in runners:
         med, lo, hi = summary(times[(name, 1)])
         print(f"target step ({name}): {med:.2f} ms (25-75%: {lo:.2f}-{hi:.2f})")
-    print("\n k " + "".join(f"{name + ' ms':>10}" for name in runners)
-          + "".join(f"{'r_' + name:>9}" for name in runners) + "   (ms: forward of k + 1 tokens)")
+    base = next(iter(runners))
+    across = f"÷ {base}" if len(dtypes) > 1 else None
+    print("\n k " + "".join(f"{name + ' ms':>14}" for name in runners)
+          + "".join(f"{'r_' + name:>12}" for name in runners) + (f"{across:>14}" * (len(runners) - 1) if across else "")
+          + "   (ms: forward of k + 1 tokens)")
     for n in lengths:
         ms = {name: summary(times[(name, n)])[0] for name in runners}
-        print(f"{n - 1:>2} " + "".join(f"{ms[name]:>10.2f}" for name in runners)
-              + "".join(f"{ms[name] / step[name]:>9.2f}" for name in runners))
+        print(f"{n - 1:>2} " + "".join(f"{ms[name]:>14.2f}" for name in runners)
+              + "".join(f"{ms[name] / step[name]:>12.2f}" for name in runners)
+              + ("".join(f"{ms[name] / step[base]:>14.2f}" for name in list(runners)[1:]) if across else ""))
 
-    draft = build_draft(args.draft_hidden, args.draft_layers, args.draft_subset, args.seed).to(device, dtype)
+    draft_runners = {}
+    for dtype_name, dtype in dtypes.items():
+        draft = build_draft(args.draft_hidden, args.draft_layers, args.draft_subset, args.seed).to(device, dtype)
+        for name, runner in make_runners(draft, args.runners, args.fixed_layouts).items():
+            draft_runners[named(name, dtype_name)] = runner
     params = sum(p.numel() for p in draft.parameters())
-    draft_runners = make_runners(draft, args.fixed_layouts)
     draft_times = time_forwards(draft_runners, prefix, [1], args.draft_steps, 20, clock)
     print(f"\ndraft: hidden {args.draft_hidden}, {args.draft_layers} layers, {args.draft_subset}+1 vocab, "
           f"{params / 1e6:.2f}M params")

@@ -12,6 +12,8 @@ from decode.bench import main
 from decode.drafts.feature.model import FeatureDraftMismatch
 from decode.runners import make_runner
 from decode.runners.lean import LeanRunner
+from decode.stats import predicted_speedup
+from decode.timing import verify_cost
 from tests.conftest import random_feature_draft
 
 
@@ -139,7 +141,15 @@ def test_trees_of_both_draft_kinds_beside_their_chains(tmp_path, feature_folder,
             assert 0 < row["verified_per_forward"] <= 14
     for cost in (report["cost_model"], report["feature_cost_model"]["start"]):
         assert set(map(int, cost["r"])) == {1, 2, 12, 14}  # chains' k, then node counts up to the largest tree's
+        assert set(map(int, cost["r_tree"])) == {1, 2, 12, 14} and all(v > 0 for v in cost["r_tree"].values())
+    for row in report["results"]:  # a tree row is priced by a tree's forward, a chain's by a chain's
+        cost = report["cost_model"] if row["proposer"] == "draft" else report["feature_cost_model"]["start"]
+        r_block = (verify_cost(cost["r_tree"], max(row["verified_per_forward"], 1.0)) if row["tree"] else
+                   verify_cost(cost["r"], row["k"]))
+        expected = predicted_speedup(row["tau"], row["draft_steps_per_forward"], cost["c"], r_block)
+        assert row["predicted_speedup"] == pytest.approx(expected)
     markdown = (tmp_path / "report.md").read_text()
+    assert "| r_tree(n) |" in markdown
     assert "| draft | 3 | dynamic:depth=3,branch=2,nodes=auto |" in markdown
     assert (tmp_path / "chains_vs_trees.png").stat().st_size > 0
 

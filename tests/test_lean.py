@@ -6,11 +6,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from common.models import tiny_model
 from decode import generate, speculative_generate
-from decode.runners import make_runner, projection
+from decode.runners import lean, make_runner, projection
 from decode.runners.hf import HFRunner
 from decode.runners.lean import CACHE_CHUNK, LeanRunner
 from decode.runners.llama import lean_supported
-from decode.runners.projection import (BATCHED_TIMED_ROWS, LAYOUTS, TIMED_ROWS, CastProjection, Projection,
+from decode.runners.projection import (BATCHED_TIMED_ROWS, LAYOUTS, ROW_BLOCK, TIMED_ROWS, CastProjection, Projection,
                                        tune_batched_layouts, tune_layouts)
 from decode.vocab import VocabSubset
 
@@ -71,7 +71,7 @@ def test_projection_layouts_compute_x_times_w_transposed(layouts, with_bias):
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(300, 576, generator=gen) / 576**0.5
     bias = torch.randn(300, generator=gen) if with_bias else None
-    proj = Projection(w, bias, cpu_fp32=True, layouts=layouts)
+    proj = Projection(w, bias, layouts=layouts)
     assert (proj.packed is not None) == ("packed" in layouts)  # a packed copy only where it is used
     for m in range(1, 15):
         x = torch.randn(m, 576, generator=gen)
@@ -98,12 +98,13 @@ def test_batched_projection_layouts_compute_x_times_w_transposed(layout):
 
 
 def test_batched_projection_keeps_the_layout_timed_fastest(monkeypatch):
-    """Per weight shape, the faster of F.linear and packed at BATCHED_TIMED_ROWS rows, timed once over
-    every weight of that shape; a packed copy stays only where packed won; bf16 GEMMs are not timed."""
+    """Per weight shape and dtype, the faster of F.linear and packed at BATCHED_TIMED_ROWS rows, timed once
+    over every weight of that shape; a packed copy stays only where packed won; bf16 GEMMs are timed apart
+    from fp32 ones of the same shape, where oneDNN computes bf16 natively (else F.linear, untimed)."""
     timed = []
 
     def seconds(group, layout, x):
-        timed.append((tuple(group[0].w.shape), layout, len(group), x.shape[0]))
+        timed.append((tuple(group[0].w.shape), group[0].w.dtype, layout, len(group), x.shape[0]))
         return 1.0 if (layout == "packed") == (group[0].w.shape[0] == 40) else 2.0
 
     monkeypatch.setattr(projection, "_seconds_per_pass", seconds)
@@ -111,11 +112,16 @@ def test_batched_projection_keeps_the_layout_timed_fastest(monkeypatch):
     packed = [CastProjection(torch.randn(40, 24), None, None) for _ in range(2)]
     linear = CastProjection(torch.randn(24, 40), None, None)
     bf16 = CastProjection(torch.randn(40, 24), None, torch.bfloat16)
+    native = bf16.packable
     tune_batched_layouts(packed + [linear, bf16])
-    assert [p.layout for p in packed + [linear, bf16]] == ["packed", "packed", "linear", "linear"]
-    assert all(p.packed is not None for p in packed) and linear.packed is None and bf16.packed is None
-    assert sorted(timed) == sorted((shape, layout, n, BATCHED_TIMED_ROWS) for shape, n in (((40, 24), 2), ((24, 40), 1))
-                                   for layout in ("linear", "packed"))
+    layouts = [p.layout for p in packed + [linear, bf16]]
+    assert layouts == ["packed", "packed", "linear", "packed" if native else "linear"]
+    assert all(p.packed is not None for p in packed) and linear.packed is None and (bf16.packed is not None) == native
+    groups = [((40, 24), torch.float32, 2), ((24, 40), torch.float32, 1)] + [((40, 24), torch.bfloat16, 1)] * native
+    assert sorted(timed, key=str) == sorted(((shape, dtype, layout, n, BATCHED_TIMED_ROWS) for shape, dtype, n in groups
+                                             for layout in ("linear", "packed")), key=str)
+    x = torch.randn(5, 24)
+    torch.testing.assert_close(bf16(x), x @ bf16.w.float().T, atol=5e-2, rtol=2e-2)  # fp32 in, fp32 out
     timed.clear()
     again = CastProjection(torch.randn(40, 24), None, None)
     tune_batched_layouts([again])
@@ -134,15 +140,15 @@ def test_projection_keeps_the_layout_measured_fastest(monkeypatch):
 
     monkeypatch.setattr(projection, "_seconds_per_pass", seconds)
     monkeypatch.setattr(projection, "_measured", {})
-    group = [Projection(torch.randn(40, 24), None, cpu_fp32=True) for _ in range(3)]
-    other = Projection(torch.randn(24, 40), None, cpu_fp32=True)
+    group = [Projection(torch.randn(40, 24), None) for _ in range(3)]
+    other = Projection(torch.randn(24, 40), None)
     assert group[0].tunable and group[0].packed is not None  # F.linear and a packed copy until tuned
     tune_layouts(group + [other])
     assert all(p.layouts == ("linear", "mm", "packed", "linear") and p.packed is not None for p in group)
     assert {(m, layout) for m, layout, n in timed if n == 3} == {(m, l) for m in TIMED_ROWS for l in LAYOUTS}
     assert {n for _, _, n in timed} == {3, 1}  # one pass times every weight of a shape; another shape apart
     timed.clear()
-    again = Projection(torch.randn(40, 24), None, cpu_fp32=True)  # the same shape: measured already
+    again = Projection(torch.randn(40, 24), None)  # the same shape: measured already
     tune_layouts([again])
     assert again.layouts == group[0].layouts and not again.tunable and not timed
     used = []
@@ -150,9 +156,10 @@ def test_projection_keeps_the_layout_measured_fastest(monkeypatch):
     for m, layout in ((1, "linear"), (2, "mm"), (3, "mm"), (4, "packed"), (5, "packed"), (6, "linear"), (30, "linear")):
         again(torch.randn(m, 24))
         assert used[-1] == (m, layout)
-    assert Projection(torch.randn(40, 24), None, cpu_fp32=False).layouts == ("linear",) * len(TIMED_ROWS)
+    fp16 = Projection(torch.randn(40, 24).half(), None)  # neither fp32 nor bf16: F.linear, never timed
+    assert fp16.layouts == ("linear",) * len(TIMED_ROWS) and not fp16.tunable
     with pytest.raises(ValueError, match="one of"):
-        Projection(torch.randn(40, 24), None, cpu_fp32=True, layouts=("linear", "packed"))
+        Projection(torch.randn(40, 24), None, layouts=("linear", "packed"))
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -245,6 +252,105 @@ def test_bf16_close_to_hf():
     for chunk in (ids[:5], ids[5:6], ids[6:]):
         got, expected = lean.forward(chunk, chunk.shape[0]), hf.forward(chunk, chunk.shape[0])
         torch.testing.assert_close(got, expected, atol=2e-2, rtol=0)  # a few bf16 ulps
+
+
+def test_a_bf16_projection_has_one_layout_and_multiplies_blocks_of_rows():
+    """A CPU bf16 weight takes one layout for every row count, is never timed, and multiplies more than
+    ROW_BLOCK rows in blocks of that many: still x @ w.T."""
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.randn(300, 576, generator=gen) / 576**0.5).bfloat16()
+    proj = Projection(w, None)
+    assert len(set(proj.layouts)) == 1 and not proj.tunable and proj.row_block == ROW_BLOCK
+    calls = []
+    run = proj.run
+    proj.run = lambda layout, x: calls.append(x.shape[0]) or run(layout, x)
+    x = torch.randn(2 * ROW_BLOCK + 5, 576, generator=gen).bfloat16()
+    got = proj(x)
+    assert calls == [ROW_BLOCK, ROW_BLOCK, 5]
+    torch.testing.assert_close(got.float(), x.float() @ w.float().T, atol=5e-2, rtol=2e-2)
+    assert Projection(torch.randn(300, 576), None).row_block is None  # fp32: one matmul, layouts timed
+
+
+def _random_tree(nodes: int, gen: torch.Generator) -> tuple[list[int], torch.Tensor]:
+    """(parent of each node, -1 for the root's children; depth of each node) of a random tree."""
+    parents = [-1] + [int(torch.randint(-1, i, (1,), generator=gen)) for i in range(1, nodes)]
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(0 if parent < 0 else depths[parent] + 1)
+    return parents, torch.tensor(depths)
+
+
+def _assert_rows_are_one_token_forwards(runner: LeanRunner, vocab: int) -> None:
+    """Every row's logits bit for bit those of a one-token forward: a prompt fed whole or one token
+    short, blocks of 1-45 rows (more than ROW_BLOCK), and a masked forward over a random tree against
+    each node's path fed one token at a time."""
+    gen = torch.Generator().manual_seed(5)
+    prompt, text = torch.randint(0, vocab, (70,), generator=gen), torch.randint(0, vocab, (45,), generator=gen)
+
+    def fed(chunks: list[int]) -> torch.Tensor:
+        runner.reset()
+        runner.forward(prompt[:-1], 1)
+        ids, out, at = torch.cat([prompt[-1:], text]), [], 0
+        for n in chunks:
+            out.append(runner.forward(ids[at : at + n], n))
+            at += n
+        return torch.cat(out)
+
+    alone = fed([1] * 46)
+    runner.reset()
+    assert torch.equal(runner.forward(prompt, 1)[0], alone[0])  # the prompt fed whole
+    for chunks in ([2, 5, 3, 36], [45, 1], [1, 33, 12]):
+        assert torch.equal(fed(chunks), alone), chunks
+    parents, depths = _random_tree(20, gen)
+    visible = torch.zeros(20, 90, dtype=torch.bool)
+    visible[:, :70] = True
+    paths = []
+    for i in range(20):
+        path, j = [], i
+        while j >= 0:
+            visible[i, 70 + j] = True
+            path.insert(0, j)
+            j = parents[j]
+        paths.append(path)
+    runner.reset()
+    runner.forward(prompt, 1)
+    tree_ids = torch.randint(0, vocab, (20,), generator=gen)
+    tree = runner.forward_masked(tree_ids, 70 + depths, visible, 20)
+    for i, path in enumerate(paths):
+        runner.reset()
+        runner.forward(prompt, 1)
+        for node in path:
+            logits = runner.forward(tree_ids[node : node + 1], 1)
+        assert torch.equal(tree[i], logits[0]), (i, path)
+
+
+def test_bf16_rows_are_bit_for_bit_one_token_forwards():
+    """In bf16 on a CPU a row's logits do not depend on the rows beside it, so verifying k tokens (a chain
+    or a tree) gives the logits decoding them one by one gives: greedy speculative output equals bf16
+    target-only output token for token (bf16 rounds a ~1e-5 difference of summation order into others)."""
+    runner = LeanRunner(_llama(vocab_size=4000).to(torch.bfloat16), 4000)
+    assert runner.row_invariance in ("padded", "by_row")
+    _assert_rows_are_one_token_forwards(runner, 4000)
+
+
+def test_bf16_falls_back_to_rows_alone_where_blocks_differ(monkeypatch):
+    """Where the checks find blocked matmuls or padded attention give a row other bits than alone, the
+    runner multiplies and attends each row alone, exact by construction."""
+    monkeypatch.setattr(lean, "rows_match_alone", lambda projections, rows: False)
+    monkeypatch.setattr(lean, "padded_attention_is_row_invariant", lambda cache: False)
+    runner = LeanRunner(_llama(vocab_size=4000).to(torch.bfloat16), 4000)
+    assert runner.row_invariance == "by_row"
+    assert all(p.row_block == 1 for p in runner.core.projections())
+    _assert_rows_are_one_token_forwards(runner, 4000)
+
+
+def test_bf16_greedy_speculative_equals_bf16_target_only():
+    target = _llama(vocab_size=4000).to(torch.bfloat16)
+    draft = _subset_draft(4000, 500).to(torch.bfloat16)
+    prompt = torch.randint(0, 4000, (1, 40), generator=torch.Generator().manual_seed(4))
+    plain = generate(target, prompt, max_new_tokens=24)
+    for k in (1, 4):
+        assert speculative_generate(target, draft, prompt, k=k, max_new_tokens=24).tokens.tolist() == plain.tolist()
 
 
 @pytest.mark.parametrize("draft_kind", ["tiny", "subset"])

@@ -59,10 +59,18 @@ def test_fp32_is_fp32_without_timing_anything(cpu):
         resolve_dtype("float16", "cpu", "generate.dtype")
 
 
-def test_batch_1_decoding_stays_fp32_on_every_cpu(cpu):
+def test_batch_1_decoding_is_bf16_only_on_a_cpu_with_amx(cpu):
     cpu(AMX, 3.6)
+    choice = resolve_decode_dtype("auto", "cpu")
+    assert choice.name == "bf16" and "AMX" in choice.reason
+    cpu(frozenset({"avx2", "avx512f", "avx512_bf16"}), 3.6)  # native bf16, but no AMX: not measured faster
+    assert resolve_decode_dtype("auto", "cpu").name == "fp32"
+    cpu(AMX, 0.2)  # AMX in the flags, but the library runs bf16 slowly (ONEDNN_MAX_CPU_ISA, say)
+    assert resolve_decode_dtype("auto", "cpu").name == "fp32"
+    cpu(AVX2, 1 / 5.5)
     assert resolve_decode_dtype("auto", "cpu").name == "fp32"
     assert resolve_decode_dtype("bf16", "cpu").name == "bf16"
+    assert resolve_decode_dtype("fp32", "cpu").name == "fp32"
 
 
 @pytest.mark.parametrize("flags, isa", [(AMX, "AVX-512 BF16 + AMX"), (frozenset({"avx2", "avx512f"}), "AVX-512"),

@@ -1,9 +1,10 @@
 """The matmul of one weight matrix, laid out for the rows each cache layout feeds it.
 
 Both are called as projection(x) = x @ w.T (+ bias) on x [..., in]:
-  Projection      batch 1: a handful of rows per forward, where the layout decides the speed
-  CastProjection  batched: many rows, optionally in bf16 (GEMM throughput), in fp32 on the faster of
-                  F.linear and oneDNN's packed weights
+  Projection      batch 1: a handful of rows per forward, where the layout decides the speed (in bf16,
+                  one layout for every row count, so a row's bits do not depend on its neighbours)
+  CastProjection  batched: many rows, optionally in bf16 (GEMM throughput), on the faster of F.linear
+                  and oneDNN's packed weights
 """
 
 from __future__ import annotations
@@ -38,8 +39,51 @@ SAMPLES = 5
 _measured: dict[tuple, tuple[str, ...]] = {}
 
 
-def _packed_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+def _packed_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN can run `dtype` weights packed: fp32 wherever oneDNN is built in, bf16 where it also
+    computes bf16 natively (avx512_bf16 or AMX; elsewhere it would emulate it)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def cpu_tunable(w: torch.Tensor) -> bool:
+    """Whether a weight has a choice of layouts: on a CPU in fp32 or bf16."""
+    return w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16)
+
+
+# A bf16 batch-1 projection multiplies at most this many rows at once. On a 2-core AMX Xeon (torch
+# 2.13, SmolLM2-135M's weights) oneDNN gave each row the bits it gives that row alone up to 32 rows, and
+# other bits to a few rows from 33 on (it blocks the rows otherwise there). `rows_match_alone` checks it.
+ROW_BLOCK = 32
+
+
+def rows_match_alone(projections: list[Projection], rows: int, seed: int = 0) -> bool:
+    """Whether each weight shape among `projections` gives `rows` random rows multiplied together the bits
+    it gives each row alone (one projection per shape, a few ms in all)."""
+    gen = torch.Generator().manual_seed(seed)
+    by_shape = {tuple(p.w.shape): p for p in projections}
+    for projection in by_shape.values():
+        x = torch.randn(rows, projection.w.shape[1], generator=gen).to(projection.w.dtype)
+        together = projection.run(projection.layouts[-1], x)
+        if not torch.equal(together, torch.cat([projection.run(projection.layouts[0], row) for row in x.split(1)])):
+            return False
+    return True
+
+
+def row_invariant_layouts(w: torch.Tensor) -> tuple[str, ...] | None:
+    """The layouts of a batch-1 CPU bf16 weight: oneDNN's packed weights at every row count where the CPU
+    computes bf16 natively, else F.linear; None for other weights (timed per row count instead).
+
+    Why one layout: up to ROW_BLOCK rows each of them gives a row the same result whatever rows share
+    its matmul, and a switch of layout between 1 and 5 rows would not. In fp32 that changes logits by ~1e-5; in bf16,
+    whose outputs round to 8 bits, one rounding that falls the other way grows layer by layer (0.5 in
+    the logits of SmolLM2-135M) and changes greedy tokens. On a 2-core AMX Xeon the packed bf16 weights
+    were also the fastest layout at every row count: one forward's matmuls 7.7 ms at 1 row against
+    fp32's best 14.1, and 11.5 against 44.1 at 33 rows."""
+    if not (w.device.type == "cpu" and w.dtype == torch.bfloat16):
+        return None
+    return ("packed" if _packed_available(torch.bfloat16) else "linear",) * len(TIMED_ROWS)
 
 
 def _seconds_per_pass(group: list, layout: str, x: torch.Tensor) -> float:
@@ -71,7 +115,7 @@ def tune_layouts(projections: list[Projection]) -> None:
 
 
 def _tune_per_shape(projections: list, fastest, apply) -> None:
-    """Group projections by `key` (shape, bias, threads); `fastest(group)` is measured once per key and
+    """Group projections by `key` (shape, dtype, bias, threads); `fastest(group)` is measured once per key and
     process (`_measured`), and `apply(projection, choice)` gives it to every projection of the group."""
     groups: dict[tuple, list] = {}
     for projection in projections:
@@ -86,16 +130,20 @@ def _tune_per_shape(projections: list, fastest, apply) -> None:
 class Projection:
     """One weight w [out, in] (and bias [out]) in the layout each row count runs fastest in.
 
-    Only CPU fp32 has a choice of layouts: given (one per TIMED_ROWS), or measured by `tune_layouts`
-    (until then F.linear); elsewhere this is F.linear. A packed copy (doubling this weight's memory)
-    is kept only where a packed layout is used."""
+    Only a CPU weight in fp32 or bf16 has a choice of layouts (`cpu_tunable`): given (one per TIMED_ROWS),
+    one for every row count in bf16 (`row_invariant_layouts`), or measured by `tune_layouts` (until then
+    F.linear); elsewhere this is F.linear. Every layout computes in the weight's dtype. A packed copy
+    (this weight's memory again) is kept only where a packed layout is used."""
 
-    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, cpu_fp32: bool,
-                 layouts: tuple[str, ...] | None = None):
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, layouts: tuple[str, ...] | None = None):
         self.w, self.bias = w, bias
-        self.key = (tuple(w.shape), bias is not None, torch.get_num_threads())
-        layouts = ("linear",) * len(TIMED_ROWS) if not cpu_fp32 else layouts or _measured.get(self.key)
-        want_packed = cpu_fp32 and _packed_available() and (layouts is None or "packed" in layouts)
+        self.key = (tuple(w.shape), w.dtype, bias is not None, torch.get_num_threads())
+        # bf16: the most rows multiplied together (more go through further matmuls of as many).
+        self.row_block = ROW_BLOCK if row_invariant_layouts(w) else None
+        tunable = cpu_tunable(w)
+        layouts = ("linear",) * len(TIMED_ROWS) if not tunable else (
+            layouts or row_invariant_layouts(w) or _measured.get(self.key))
+        want_packed = tunable and _packed_available(w.dtype) and (layouts is None or "packed" in layouts)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 8) if want_packed else None
         if layouts is None:  # F.linear until tune_layouts measures this shape
             self.layouts, self.tunable = ("linear",) * len(TIMED_ROWS), True
@@ -107,7 +155,8 @@ class Projection:
         if len(layouts) != len(TIMED_ROWS) or not set(layouts) <= set(LAYOUTS):
             raise ValueError(f"layouts {layouts}: one of {LAYOUTS} for each of TIMED_ROWS {TIMED_ROWS}")
         if "packed" in layouts and self.packed is None:
-            raise ValueError("the packed layout needs oneDNN (torch.backends.mkldnn) and a CPU fp32 weight")
+            raise ValueError("the packed layout needs oneDNN (torch.backends.mkldnn) and a CPU weight in fp32, or "
+                             "in bf16 where the CPU computes bf16 natively")
         self.layouts, self.tunable = tuple(layouts), False
         if "packed" not in layouts:
             self.packed = None
@@ -116,6 +165,8 @@ class Projection:
         """x [..., in] -> contiguous [..., out] (the rows of every leading dimension together: M)."""
         if x.dim() != 2:
             return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+        if self.row_block and x.shape[0] > self.row_block:
+            return torch.cat([self(rows) for rows in x.split(self.row_block)])
         return self.run(self.layouts[min(bisect.bisect_left(TIMED_ROWS, x.shape[0]), len(TIMED_ROWS) - 1)], x)
 
     def run(self, layout: str, x: torch.Tensor) -> torch.Tensor:
@@ -137,20 +188,20 @@ class CastProjection:
 
     matmul_dtype=torch.bfloat16 keeps a bf16 copy of the weight (fp32 accumulation); the residual
     stream around it keeps its dtype. On this CPU (avx512_bf16) that doubles GEMM throughput for
-    batches of >= 32 rows. None: the weight's own dtype. A CPU fp32 weight may instead run on a copy
-    packed for oneDNN, where `tune_batched_layouts` timed that faster."""
+    batches of >= 32 rows. None: the weight's own dtype. A CPU weight (fp32, or bf16 where the CPU computes
+    it natively) may instead run on a copy packed for oneDNN, where `tune_batched_layouts` timed that faster."""
 
     def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, matmul_dtype: torch.dtype | None):
         dtype = matmul_dtype or w.dtype
         self.w = w.detach().to(dtype)
         self.bias = None if bias is None else bias.detach().to(dtype)
-        self.key = ("batched", tuple(w.shape), bias is not None, torch.get_num_threads())
+        self.key = ("batched", tuple(w.shape), dtype, bias is not None, torch.get_num_threads())
         self.packed: torch.Tensor | None = None
         self.layout = "linear"
 
     @property
     def packable(self) -> bool:
-        return self.w.device.type == "cpu" and self.w.dtype == torch.float32 and _packed_available()
+        return cpu_tunable(self.w) and _packed_available(self.w.dtype)
 
     def use(self, layout: str) -> None:
         """Run every call through `layout` ("linear" or "packed") from now on."""
@@ -168,10 +219,13 @@ class CastProjection:
         return self.run("linear", x)
 
     def run(self, layout: str, x: torch.Tensor) -> torch.Tensor:
-        """x [M, in] -> [M, out] through one layout ("packed": fp32 x only)."""
+        """x [M, in] -> [M, out] through one layout."""
+        x_in = x.to(self.w.dtype)
         if layout == "packed":
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
-        return F.linear(x.to(self.w.dtype), self.w, self.bias).to(x.dtype)
+            out = torch.ops.mkldnn._linear_pointwise(x_in.contiguous(), self.packed, self.bias, "none", [], "")
+        else:
+            out = F.linear(x_in, self.w, self.bias)
+        return out.to(x.dtype)
 
 
 # Batched decoding feeds a projection one row per active sequence (up to generate.batch_size) and prefill
@@ -182,7 +236,7 @@ BATCHED_TIMED_ROWS = 64
 
 
 def tune_batched_layouts(projections: list[CastProjection]) -> None:
-    """Give each CPU fp32 projection the faster of F.linear and oneDNN's packed weights at
+    """Give each CPU projection (fp32, or bf16 where native) the faster of F.linear and oneDNN's packed weights at
     BATCHED_TIMED_ROWS rows, timed over all projections of its shape (once per process and shape).
     A packed copy (this weight's memory again) is kept only where it won."""
     def fastest(group: list[CastProjection]) -> str:

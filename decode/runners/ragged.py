@@ -147,9 +147,7 @@ class RaggedRunner:
         head_rows = self.subset.head_rows if self.subset is not None else vocab_size
         # The layout of each weight's matmul per row count, timed as the batch-1 runner's are: a verification
         # feeds a few rows per request, where F.linear is slow on some CPUs (decode/runners/projection.py).
-        weight = next(model.parameters())
-        cpu_fp32 = weight.device.type == "cpu" and weight.dtype == torch.float32
-        self.core = LlamaCore(model, head_rows, lambda w, bias: Projection(w, bias, cpu_fp32))
+        self.core = LlamaCore(model, head_rows, Projection)
         tune_layouts(self.core.projections())
         self.device = self.core.device
         self.max_length = getattr(model.config, "max_position_embeddings", None) or 10**9
