@@ -57,9 +57,13 @@ def resolve_device(device: str = "auto") -> torch.device:
 
 
 def torch_dtype(name: str, device: str | torch.device) -> torch.dtype:
-    """A decoding dtype name ('fp32', 'bf16', or 'auto') as a torch dtype (common.precision.resolve_decode_dtype)."""
+    """A decoding dtype name ('fp32', 'bf16', or 'auto') as a torch dtype for HF forwards (`make eval-engines`):
+    as common.precision.resolve_decode_dtype, but 'auto' stays fp32 on every CPU, where HF's bf16 forward
+    does not give a row the bits it gets alone as the lean runner's does (decode/runners/lean.py)."""
     from common.precision import resolve_decode_dtype
 
+    if name == "auto" and torch.device(device).type == "cpu":
+        return torch.float32
     return resolve_decode_dtype(name, device).torch_dtype
 
 

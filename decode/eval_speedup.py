@@ -127,7 +127,10 @@ def setup(cfg: Config) -> Setup:
     """Models (with the tokenizer and target checks), prompt sets, runners and proposers."""
     ev = cfg.eval
     device = resolve_device(cfg.device)
-    precision = resolve_decode_dtype(ev.dtype, device)
+    try:
+        precision = resolve_decode_dtype(ev.dtype, device, serving=bool(ev.serving_batches))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     print(precision.line, file=sys.stderr)
     dtype = precision.torch_dtype
     standalone_ref, feature_ref = draft_refs(cfg)

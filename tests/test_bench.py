@@ -202,3 +202,10 @@ def test_serving_refuses_a_batch_beyond_free_memory(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"eval.serving_batches: batch 4 needs ~.* GiB of cache"):
         main(["--config", "configs/tiny.yaml", "draft=tiny:draft", "eval.prompts=[gsm8k]", "eval.serving_batches=[4]",
               f"eval.out_dir={tmp_path}", "wandb.mode=disabled"])
+
+
+def test_serving_in_bf16_on_a_cpu_is_refused_before_any_model_loads(tmp_path, monkeypatch):
+    monkeypatch.setattr("decode.eval_speedup.load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(ConfigError, match="eval.dtype=bf16 with eval.serving_batches on a CPU"):
+        main(["--config", "configs/tiny.yaml", "draft=tiny:draft", "eval.prompts=[gsm8k]", "eval.serving_batches=[4]",
+              "eval.dtype=bf16", "device=cpu", f"eval.out_dir={tmp_path}", "wandb.mode=disabled"])

@@ -150,7 +150,10 @@ def test_one_dtype_spelling(monkeypatch):
     assert load_config("configs/smollm2.yaml").generate.dtype == "auto"
     assert torch_dtype("fp32", "cuda") == torch.float32 and torch_dtype("bf16", "cpu") == torch.bfloat16
     monkeypatch.setattr(precision, "native_bf16", lambda device: (True, "native bf16 (test)"))
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16"}))
+    # HF forwards (the engines): fp32 on a CPU even with AMX, where the lean runner's batch-1 decoding is bf16.
     assert torch_dtype("auto", "cpu") == torch.float32 and torch_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert precision.resolve_decode_dtype("auto", "cpu").name == "bf16"
 
 
 def test_missing_model_path_fails_before_loading(tmp_path):
