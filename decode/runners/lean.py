@@ -137,9 +137,11 @@ def padded_attention_is_row_invariant(cache: RollbackCache, rows: int = 33, seed
 class LeanRunner:
     """Batch-1 lean Llama forward over a `RollbackCache` (implements `decode.runners.Runner`).
 
-    On a CPU (fp32 or bf16) each weight shape's layouts are timed when the runner is built (runners/projection.py,
+    On a CPU in fp32 each weight shape's layouts are timed when the runner is built (runners/projection.py,
     once per process: ~2 s for SmolLM2-135M); a projection whose fastest layout is oneDNN's keeps a
-    packed copy of its weight (up to the model's size again, ~0.5 GB for SmolLM2-135M). Build a new runner after changing the model's weights."""
+    packed copy of its weight (up to the model's size again, ~0.5 GB for SmolLM2-135M). In bf16 every
+    row gets the bits a one-token forward gives it (`row_invariance`, docs/decoder.md). Build a new runner
+    after changing the model's weights."""
 
     def __init__(self, model: LlamaForCausalLM, vocab_size: int, hidden_layers: Sequence[int] = ()):
         self.vocab_size = vocab_size
