@@ -28,6 +28,11 @@ CACHE_CHUNK = 256
 KEY_BLOCK = 64
 
 
+def padded_keys(n: int) -> int:
+    """n keys rounded up to a multiple of KEY_BLOCK."""
+    return -(-n // KEY_BLOCK) * KEY_BLOCK
+
+
 class RollbackCache:
     """Keys and values [layers, KV, capacity, D] of one sequence, written by position.
 
@@ -121,13 +126,13 @@ def padded_attention_is_row_invariant(cache: RollbackCache, rows: int = 33, seed
     gen = torch.Generator(device="cpu").manual_seed(seed)
     H, KV, D, group = core.n_heads, core.n_kv, core.head_dim, core.n_heads // core.n_kv
     for prefix in (60, 130):  # block rows ending inside a KEY_BLOCK and across one
-        n = -(-(prefix + rows) // KEY_BLOCK) * KEY_BLOCK
+        n = padded_keys(prefix + rows)
         keys, values, q = (torch.randn(shape, generator=gen).to(core.dtype)
                            for shape in ((KV, n, D), (KV, n, D), (rows, H, D)))
         seen = torch.arange(n)[None, :] <= torch.arange(prefix, prefix + rows)[:, None]  # [rows, n]
         block = RollbackCache._attend(q, keys, values, seen.repeat(group, 1))
         for i in (0, rows // 2, rows - 1):
-            alone = -(-(prefix + i + 1) // KEY_BLOCK) * KEY_BLOCK
+            alone = padded_keys(prefix + i + 1)
             one = RollbackCache._attend(q[i : i + 1], keys[:, :alone], values[:, :alone], seen[i : i + 1, :alone])
             if not torch.equal(one[0], block[i]):
                 return False
@@ -266,7 +271,7 @@ class LeanRunner:
             # each row attends its keys gathered in order, padded as that forward's are (~7 ms more for
             # 17 rows over 128 keys on the AMX Xeon: the gather).
             counts = visible.sum(1)
-            n_keys = -(-int(counts.max()) // KEY_BLOCK) * KEY_BLOCK
+            n_keys = padded_keys(int(counts.max()))
             # Each row's slots in increasing order, then slot 0 as padding: sorting by "not visible" (stable)
             # puts the visible slots first, in order.
             order = torch.sort((~visible).to(torch.uint8), dim=1, stable=True).indices  # [M, end]
@@ -276,7 +281,7 @@ class LeanRunner:
             seen = torch.arange(n_keys, device=self.device)[None, :] < counts[:, None]
             return slice(start, end), end, None, (slots.masked_fill(~seen, 0), seen)
         if self.row_invariance == "padded":
-            n_keys = min(-(-end // KEY_BLOCK) * KEY_BLOCK, self.cache.capacity)
+            n_keys = min(padded_keys(end), self.cache.capacity)
             mask = torch.zeros(m, n_keys, dtype=torch.bool, device=self.device)
             mask[:, :end] = True if visible is None else visible
             return slice(start, end), n_keys, mask.repeat(self.group, 1), None
