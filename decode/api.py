@@ -31,8 +31,8 @@ def build_runners(target: torch.nn.Module, draft: torch.nn.Module, backend: str 
 
 
 def build_feature_runner(target: torch.nn.Module, draft: FeatureDraft, backend: str = "auto") -> Runner:
-    """The target's runner for a feature draft: it keeps the hidden states of the layers the draft reads
-    (so never the CUDA-graph replay). Refuses a draft made for another target before building it."""
+    """The target's runner for a feature draft: it keeps the hidden states of the layers the draft reads.
+    Refuses a draft made for another target before building it."""
     target_vocab = model_vocab_size(target)
     check_target(draft.config, target.config, target_vocab)
     return make_runner(target, target_vocab, backend, hidden_layers=draft.config.target_layers)

@@ -85,15 +85,12 @@ class Setup:
     tree_proposers: dict[str, TreeProposer]
     """By report name, as `proposers`: each draft drafting trees (when eval.trees lists any), with prompt
     lookup's guess as one more branch in the "+lookup" ones."""
-    tree_runner: Runner | None
-    """The target runner that verifies the standalone draft's trees (a masked forward: never the
-    CUDA-graph replay)."""
 
-    def verifier(self, proposer: str, tree: bool = False) -> Runner:
-        """The target runner that verifies a proposer's tokens (its trees when `tree`)."""
+    def verifier(self, proposer: str) -> Runner:
+        """The target runner that verifies a proposer's tokens (chains and trees)."""
         if draft_kind(proposer) == "feature":
             return self.feature_runner
-        return self.tree_runner if tree else self.target_runner
+        return self.target_runner
 
 
 def draft_refs(cfg: Config) -> tuple[str | None, str | None]:
@@ -169,10 +166,8 @@ def setup(cfg: Config) -> Setup:
     served = [target] + ([draft] if draft is not None else []) + ([target] if feature is not None else [])
     check_serving_memory(ev, [len(p.token_ids) for p in next(iter(prompt_sets.values()))], served)
     trees = [parse_tree(spec) for spec in ev.trees]
-    tree_proposers, tree_runner = {}, None
+    tree_proposers = {}
     if trees and draft_runner is not None:
-        tree_runner = target_runner if hasattr(target_runner, "forward_masked") else make_runner(
-            target, model_vocab_size(target), "lean")
         tree_proposers["draft"] = DraftTreeProposer(draft_runner)
     if trees and feature is not None:
         tree_proposers["feature"] = FeatureTreeProposer(FeatureProposer(feature_runner, feature, embeddings))
@@ -181,7 +176,7 @@ def setup(cfg: Config) -> Setup:
             tree_proposers[f"{name}+lookup"] = LookupTreeProposer(LookupProposer(ev.lookup_ngram), tree_proposers[name])
     return Setup(cfg, device, tokenizer, target, draft, feature, prompt_sets, target_runner, draft_runner,
                  feature_runner, proposers, out_dir=Path(ev.out_dir or Path(cfg.distill.out_dir) / "eval"),
-                 dtype=precision, trees=trees, tree_proposers=tree_proposers, tree_runner=tree_runner)
+                 dtype=precision, trees=trees, tree_proposers=tree_proposers)
 
 
 def eval_prompts(cfg: Config, tokenizer, context_length: int) -> dict[str, list]:
@@ -233,7 +228,7 @@ def warm_up_and_cost(s: Setup) -> dict[str, dict]:
     costs = measure_costs(s)  # before the trees' warm-up: nodes=auto reads it
     for _ in range(ev.warmup):
         for shape, (name, proposer) in itertools.product(s.trees, s.tree_proposers.items()):
-            tree_decode(s.verifier(name, tree=True), proposer, first, shape=shape, max_new_tokens=8, sampling=greedy)
+            tree_decode(s.verifier(name), proposer, first, shape=shape, max_new_tokens=8, sampling=greedy)
     return costs
 
 
@@ -249,8 +244,7 @@ def measure_costs(s: Setup) -> dict[str, dict]:
         tree_ks = ks
     costs = {}
     if s.draft_runner is not None:
-        costs["draft"] = cost_model(s.target_runner, s.draft_runner, context, ks, tree_ks=tree_ks,
-                                    tree_runner=s.tree_runner)
+        costs["draft"] = cost_model(s.target_runner, s.draft_runner, context, ks, tree_ks=tree_ks)
     if s.feature is not None:
         steps = FeatureDraftSteps(s.feature, s.target.get_input_embeddings().weight)
         costs["feature"] = cost_model(s.feature_runner, steps, context, ks, tree_ks=tree_ks)
@@ -303,7 +297,7 @@ def measure_prompt(s: Setup, set_name: str, prompt, temperature: float, runs: li
     samples.append({**where, "method": "target-only", "text": s.tokenizer.decode(base)})
     decodes = [(name, k, None, functools.partial(speculative_decode, s.verifier(name), proposer, k=k))
                for k, (name, proposer) in itertools.product(ev.ks, s.proposers.items())]
-    decodes += [(name, shape.depth, shape.label, functools.partial(tree_decode, s.verifier(name, tree=True),
+    decodes += [(name, shape.depth, shape.label, functools.partial(tree_decode, s.verifier(name),
                                                                     proposer, shape=shape))
                 for shape, (name, proposer) in itertools.product(s.trees, s.tree_proposers.items())]
     for i, (name, k, tree, decode) in enumerate(decodes):

@@ -55,19 +55,17 @@ def _time_tree_forward(runner: Runner, context_len: int, probe: torch.Tensor) ->
 
 
 def cost_model(target_runner: Runner, draft_runner: Runner, context: list[int], ks: list[int],
-               repeats: int = 9, tree_ks: list[int] = (), tree_runner: Runner | None = None) -> dict:
+               repeats: int = 9, tree_ks: list[int] = ()) -> dict:
     """Measure c = draft step / target step and r(k) = target forward over k+1 tokens / target step, for
     each k of `ks` (a chain's draft lengths, a tree's node counts), and r_tree(k) of a masked forward
-    over a k-node tree for each of `tree_ks` on `tree_runner` (default: the target runner) against the
-    target runner's step (a tree's forward can cost more than a chain's: a bf16 lean runner gathers each
-    tree row's keys, decode/runners/lean.py).
+    over a k-node tree for each of `tree_ks` against the target runner's step (a tree's forward can cost
+    more than a chain's: a bf16 lean runner gathers each tree row's keys, decode/runners/lean.py).
 
     Every repeat times the one-token steps and each (k+1)-token forward back to back, and the
     ratios are formed within a repeat before taking medians, so a slow moment on a shared
     machine moves numerator and denominator together instead of skewing one of them.
     """
-    tree_runner = tree_runner or target_runner
-    for runner in {id(r): r for r in (target_runner, draft_runner, tree_runner)}.values():
+    for runner in (target_runner, draft_runner):
         runner.reset()
         runner.forward(torch.tensor(context), 1)
     n = len(context)
@@ -82,7 +80,7 @@ def cost_model(target_runner: Runner, draft_runner: Runner, context: list[int], 
         # subset draft's logits stay over its rows there).
         draft = sum(_time_forward(draft_runner, n, probes[1], False) for _ in range(DRAFT_RUN)) / DRAFT_RUN
         verify = {k: _time_forward(target_runner, n, probes[k + 1]) for k in r_ratios}
-        verify_tree = {k: _time_tree_forward(tree_runner, n, probes[k + 1]) for k in tree_ratios}
+        verify_tree = {k: _time_tree_forward(target_runner, n, probes[k + 1]) for k in tree_ratios}
         if i == 0:
             continue
         target_steps.append(step)

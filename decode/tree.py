@@ -155,7 +155,7 @@ def deeper_pays(values: list[float], frontier_best: float, draft_forwards: int, 
 def check_tree_runner(runner, role: str) -> None:
     if not hasattr(runner, "forward_masked"):
         raise TreeShapeError(f"the {role}'s {type(runner).__name__} cannot verify a tree: it has no masked "
-                             "forward (the CUDA-graph replay runs causal shapes only); use backend 'lean' or 'hf'")
+                             "forward (forward_masked); the project's runners (lean, graph, hf) all have one")
 
 
 def check_tree_fits(shape: TreeShape, prompt_len: int, max_new_tokens: int, max_lengths: list[int | None]) -> None:

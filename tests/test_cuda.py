@@ -13,6 +13,8 @@ from decode.runners.lean import LeanRunner
 from decode.speculative import speculative_decode, target_decode
 from distill.generation.batched_loop import generate_batch
 from distill.generation.runner_engine import row_uniforms
+from tests.conftest import small_llama
+from tests.test_graphs import TREES, check_greedy_trees, check_tree_forward
 from tests.test_lean import SCHEDULE, _llama
 
 
@@ -71,4 +73,14 @@ def test_graph_replays_match_the_eager_forward():
         torch.testing.assert_close(graphs.forward(ids, num_logits), eager.forward(ids, num_logits),
                                    atol=1e-4, rtol=0)
     assert graphs.capacity == MIN_CAPACITY + 64
-    assert 5 in graphs.captured  # replayed, not run eagerly
+    assert (5, False) in graphs.static_shapes and graphs._forwards[(5, False)].graph is not None  # replayed
+
+
+def test_tree_replays_match_the_eager_forward_and_keep_hidden_states():
+    check_tree_forward(small_llama(seed=0, layers=2).cuda(), capture=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", TREES)
+def test_greedy_trees_and_feature_drafts_from_graphs_equal_target_only(shape, dtype):
+    check_greedy_trees(small_llama(seed=0, layers=2).to("cuda", dtype), shape, capture=True)

@@ -1,6 +1,8 @@
 """Draft trees (decode/tree.py, tree_proposers.py, tree_decode.py): masked forwards equal chain forwards,
 the cache keeps the accepted path, lossless sampling (χ²), exact greedy, and bad shapes refused."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from scipy import stats as scipy_stats
@@ -12,7 +14,6 @@ from decode.drafts.feature.tree_proposer import FeatureTreeProposer
 from decode.drafts.standalone.tree_proposer import DraftTreeProposer
 from decode.proposers import LookupProposer
 from decode.runners import make_runner
-from decode.runners.graphs import GraphRunner
 from decode.speculative import target_decode
 from decode.tree import (MAX_TREE_NODES, DynamicTree, StaticTree, TokenTree, TreeShapeError, ancestors, best_budget,
                          deeper_pays, parse_tree, tree_window)
@@ -210,11 +211,10 @@ def test_greedy_rule_follows_the_targets_argmax():
     assert verify_tree_greedy(tree, logits) == ([11], [])
 
 
-def test_a_tree_of_a_graph_runner_is_refused(pair):
-    target, draft = pair
-    with pytest.raises(TreeShapeError, match="GraphRunner cannot verify a tree"):
-        tree_decode(GraphRunner(make_runner(target, 16, "lean"), capture=False), None, PROMPT,
-                    shape=parse_tree("2x2"), max_new_tokens=4, sampling=SamplingParams())
+def test_a_tree_of_a_runner_without_a_masked_forward_is_refused():
+    causal_only = SimpleNamespace(vocab_size=16, max_length=64)
+    with pytest.raises(TreeShapeError, match="SimpleNamespace cannot verify a tree"):
+        tree_decode(causal_only, None, PROMPT, shape=parse_tree("2x2"), max_new_tokens=4, sampling=SamplingParams())
 
 
 def test_a_tree_deeper_than_the_context_is_refused(pair):

@@ -18,16 +18,16 @@ from decode.runners.llama import lean_supported
 from decode.runners.protocol import BatchedRunner, Runner
 from decode.vocab import VocabSubset
 
+
 __all__ = ["BatchedRunner", "Runner", "make_batched_runner", "make_runner"]
 
 
 def make_runner(model: torch.nn.Module, vocab_size: int, backend: str = "auto",
                 hidden_layers: Sequence[int] = ()) -> Runner:
     """Pick the batch-1 runner for a model: 'lean' (the lean Llama forward), 'graph' (the lean forward
-    replayed from CUDA graphs; CUDA only, no hidden states), 'hf' (the Hugging Face forward), or
-    'auto': 'graph' on CUDA (unless hidden_layers are asked for) and 'lean' elsewhere where the lean
-    forward supports the model, else 'hf'. hidden_layers: decoder layers whose outputs each forward
-    keeps in `runner.hidden_states`."""
+    replayed from CUDA graphs; CUDA only), 'hf' (the Hugging Face forward), or 'auto': 'graph' on CUDA
+    and 'lean' elsewhere where the lean forward supports the model, else 'hf'. hidden_layers: decoder
+    layers whose outputs each forward keeps in `runner.hidden_states`."""
     if backend not in ("auto", "lean", "graph", "hf"):
         raise ValueError(f"unknown backend {backend!r}; use 'auto', 'lean', 'graph' or 'hf'")
     if backend == "hf":
@@ -38,7 +38,7 @@ def make_runner(model: torch.nn.Module, vocab_size: int, backend: str = "auto",
         return HFRunner(model, vocab_size, hidden_layers)
     on_cuda = next(model.parameters()).device.type == "cuda"
     lean = LeanRunner(model, vocab_size, hidden_layers)
-    if backend == "graph" or (backend == "auto" and on_cuda and not hidden_layers):
+    if backend == "graph" or (backend == "auto" and on_cuda):
         return GraphRunner(lean)
     return lean
 

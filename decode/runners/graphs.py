@@ -1,4 +1,4 @@
-"""A lean runner's forward replayed from CUDA graphs: one captured graph per row count.
+"""A lean runner's forwards replayed from CUDA graphs: one captured graph per row count and kind.
 
 Why: at batch 1 on a GPU, a small model's step is bound by launching kernels, not by the GPU. The
 lean forward issues ~33 kernels per layer (about 1,000 per SmolLM2-135M step), each a few
@@ -7,15 +7,18 @@ launches the whole forward at once.
 
 A graph has fixed shapes and addresses, so the captured forward (`LeanRunner.forward_at`) differs
 from the eager one in three ways (same arithmetic otherwise):
-  * it reads its token ids and start position from a static device buffer [M + 1], filled by one
-    host-to-device copy (a subset draft's id -> row map is applied inside the graph);
-  * it writes keys and values at positions start..start+M-1 by index and attends over the cache's
-    whole capacity, masking key j for query row i unless j <= start + i (the cache is zero-filled,
-    so the masked keys stay finite);
-  * it computes the logits of all M rows into a static output, copied out before the next replay.
-Row counts above MAX_GRAPH_ROWS (prompt prefill) run the eager forward on the same cache. Growing
-the cache reallocates it, which drops the graphs; the cache starts at MIN_CAPACITY positions so
-that evaluation prompts rarely grow it.
+  * it reads its inputs from one static device buffer, filled by one host-to-device copy: the token
+    ids and the first slot, and for a draft tree (`forward_masked`) the rotary positions and which
+    slots of a window of TREE_WINDOW from the first slot not every row sees each row sees (a subset
+    draft's id -> row map is applied inside the graph);
+  * it writes keys and values at slots start..start+M-1 by index and attends over the cache's whole
+    capacity, masking every key a row does not see (the cache is zero-filled, so masked keys stay finite);
+  * it computes the logits of all M rows (and the hidden states a feature draft reads) into static
+    outputs, copied out before the next replay.
+Causal forwards of up to MAX_GRAPH_ROWS rows and tree forwards of up to MAX_TREE_ROWS replay graphs;
+larger ones (prompt prefill) run the eager forward on the same cache. Growing the cache reallocates
+it, which drops the graphs; the cache starts at MIN_CAPACITY positions so that evaluation prompts
+rarely grow it.
 """
 
 from __future__ import annotations
@@ -24,33 +27,56 @@ import torch
 
 from decode.runners.lean import LeanRunner
 
+
 # Blocks verify k + 1 <= 9 tokens (k <= 8) and a draft catches up on a few tokens at a time:
-# graphs cover 1..16 rows. Larger feeds are prompt prefill, run once per prompt.
+# causal graphs cover 1..16 rows. Larger feeds are prompt prefill, run once per prompt.
 MAX_GRAPH_ROWS = 16
+# A tree forward feeds the committed token not yet cached and the tree's nodes: up to 64 nodes, the
+# largest tree the cost model prices (decode/timing.py).
+MAX_TREE_ROWS = 65
+# A tree forward's rows see every cached slot before some slot `base` (the committed text) and a pattern
+# of slots from there on (their ancestors: earlier levels of a draft's tree, then the forward's own rows):
+# a graph takes patterns up to this many slots wide. A target's verification spans at most MAX_TREE_ROWS,
+# a draft's level its tree so far (a dynamic tree of depth 8 and branch 4: 32 slots).
+TREE_WINDOW = 128
 # 2,048 positions of SmolLM2-135M's bf16 cache: 30 layers x 2 x 3 heads x 2048 x 64 x 2 B = 47 MB,
 # read by every step's attention (~15 us at the H200's ~3 TB/s).
 MIN_CAPACITY = 2048
 
 
 class _StaticForward:
-    """One row count's input buffer [M + 1] (ids, then the start position), its graph, its output."""
+    """One row count's input buffer, its graph and its outputs. The buffer holds the ids [M] and the
+    first slot; a tree forward's also `base`, its rotary positions [M] and the slots base.. each row
+    sees [M x TREE_WINDOW]."""
 
-    def __init__(self, lean: LeanRunner, m: int, capture: bool):
-        self.lean, self.m, self.capture = lean, m, capture
-        self.inputs = torch.zeros(m + 1, dtype=torch.long, device=lean.device)
+    def __init__(self, lean: LeanRunner, m: int, tree: bool, capture: bool):
+        self.lean, self.m, self.tree, self.capture = lean, m, tree, capture
+        size = m + 1 + (1 + m + m * TREE_WINDOW if tree else 0)
+        self.inputs = torch.zeros(size, dtype=torch.long, device=lean.device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None  # [M, head rows] fp32, written by each run
+        self.hidden: torch.Tensor | None = None  # [M, len(hidden_layers), hidden] where the runner keeps them
 
-    def compute(self) -> torch.Tensor:
-        lean, m = self.lean, self.m
-        positions = self.inputs[m] + torch.arange(m, device=lean.device)  # [M]
-        ids = self.inputs[:m]
+    def compute(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        lean, m, inputs = self.lean, self.m, self.inputs
+        ids, start = inputs[:m], inputs[m]
+        slots = start + torch.arange(m, device=lean.device)  # [M]
+        keys = torch.arange(lean.capacity, device=lean.device)  # [capacity]
+        if self.tree:
+            base, positions = inputs[m + 1], inputs[m + 2 : 2 * m + 2]
+            sees = inputs[2 * m + 2 :].view(m, TREE_WINDOW).bool()  # row i sees slot base + j
+            offset = keys - base
+            windowed = (offset >= 0) & (offset < TREE_WINDOW)
+            visible = (keys < base)[None, :] | (windowed[None, :] & sees[:, offset.clamp(0, TREE_WINDOW - 1)])
+        else:
+            positions = slots
+            visible = keys[None, :] <= slots[:, None]
         rows = ids if lean.subset is None else lean.subset.rows(ids)  # embedding rows
-        return lean.forward_at(rows, positions)
+        return lean.forward_at(rows, positions, slots, visible), lean.hidden_states
 
-    def run(self) -> torch.Tensor:
+    def run(self) -> None:
         if not self.capture:  # no CUDA: the same static computation, run eagerly (tests, CPU)
-            self.logits = self.compute()
+            self.logits, self.hidden = self.compute()
         elif self.graph is None:
             # Warm-up on a side stream (kernel selection, cuBLAS workspaces), as CUDA graph capture
             # needs. It writes the same keys and values as this call's replay, so it changes nothing.
@@ -62,31 +88,27 @@ class _StaticForward:
             torch.cuda.current_stream(device).wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
-                self.logits = self.compute()
+                self.logits, self.hidden = self.compute()
             self.graph.replay()
         else:
             self.graph.replay()
-        return self.logits
 
 
 class GraphRunner:
-    """Wraps a `LeanRunner`: its 1..MAX_GRAPH_ROWS-token forwards replay CUDA graphs (implements `Runner`).
+    """Wraps a `LeanRunner`: its forwards of up to MAX_GRAPH_ROWS tokens (MAX_TREE_ROWS for a tree)
+    replay CUDA graphs (implements `Runner`, and the masked forward and `keep` of tree verification).
 
     capture=False runs the graphs' static computation eagerly, on any device (how the CPU tests
-    check it against the eager forward). Hidden states are not kept (the graphs capture logits only)."""
+    check it against the eager forward)."""
 
     def __init__(self, lean: LeanRunner, capture: bool = True):
         if capture and lean.device.type != "cuda":
             raise ValueError("CUDA graphs need a model on a CUDA device")
-        if lean.hidden_layers:
-            raise ValueError("the CUDA-graph runner keeps no hidden states: "
-                             "use the 'lean' backend for hidden_layers")
         self.lean, self.capture = lean, capture
         self.vocab_size, self.subset, self.max_length = lean.vocab_size, lean.subset, lean.max_length
         self.device = lean.device
-        self.hidden_layers: tuple[int, ...] = ()
-        self.hidden_states = None
-        self._forwards: dict[int, _StaticForward] = {}
+        self.hidden_layers = lean.hidden_layers
+        self._forwards: dict[tuple[int, bool], _StaticForward] = {}
         lean.reserve(min(MIN_CAPACITY, self.max_length))
         self._graph_capacity = lean.capacity  # the cache the graphs were captured on
 
@@ -99,9 +121,13 @@ class GraphRunner:
         return self.lean.capacity
 
     @property
-    def captured(self) -> list[int]:
-        """Row counts whose forward has been captured as a CUDA graph."""
-        return sorted(m for m, static in self._forwards.items() if static.graph is not None)
+    def hidden_states(self) -> torch.Tensor | None:
+        return self.lean.hidden_states
+
+    @property
+    def static_shapes(self) -> list[tuple[int, bool]]:
+        """(row count, tree) of every forward run from static buffers (captured as a graph with capture)."""
+        return sorted(self._forwards)
 
     def reset(self) -> None:
         self.lean.reset()
@@ -109,23 +135,52 @@ class GraphRunner:
     def rollback(self, length: int) -> None:
         self.lean.rollback(length)
 
+    def keep(self, length: int, slots: list[int]) -> None:
+        self.lean.keep(length, slots)
+
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, num_logits: int = 1, full_vocab: bool = True) -> torch.Tensor:
-        m, start = ids.shape[0], self.lean.length
+        m = ids.shape[0]
         if m > MAX_GRAPH_ROWS:
             return self.lean.forward(ids, num_logits, full_vocab)
+        return self._replay(ids.cpu(), None, num_logits, full_vocab)
+
+    @torch.inference_mode()
+    def forward_masked(self, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
+                       num_logits: int, full_vocab: bool = True) -> torch.Tensor:
+        """As `LeanRunner.forward_masked` (a draft tree's forward), from a graph where the forward has at most
+        MAX_TREE_ROWS rows and its rows' visible slots differ within TREE_WINDOW slots (else eagerly)."""
+        m, end = ids.shape[0], self.lean.length + ids.shape[0]
+        visible = visible.cpu()
+        base = int(visible.all(0).long().cumprod(0).sum())  # every row sees the slots before base
+        if m > MAX_TREE_ROWS or end - base > TREE_WINDOW:
+            return self.lean.forward_masked(ids, positions, visible, num_logits, full_vocab)
+        sees = torch.zeros(m, TREE_WINDOW, dtype=torch.long)
+        sees[:, : end - base] = visible[:, base:]
+        return self._replay(ids.cpu(), (base, positions.cpu(), sees), num_logits, full_vocab)
+
+    def _replay(self, ids: torch.Tensor, tree: tuple[int, torch.Tensor, torch.Tensor] | None, num_logits: int,
+                full_vocab: bool) -> torch.Tensor:
+        """Fill the row count's buffer (one copy), replay its graph (captured on first use), take its outputs.
+        tree: (base, rotary positions, slots seen from base) of a tree forward."""
+        m, start = ids.shape[0], self.lean.length
         assert 1 <= num_logits <= m, (num_logits, m)
         self.lean.reserve(start + m)
         if self.lean.capacity != self._graph_capacity:  # grown here or by an eager forward
             self._forwards.clear()  # the graphs read the old cache's addresses
             self._graph_capacity = self.lean.capacity
-        static = self._forwards.get(m)
+        key = (m, tree is not None)
+        static = self._forwards.get(key)
         if static is None:
-            static = self._forwards[m] = _StaticForward(self.lean, m, self.capture)
-        host = torch.empty(m + 1, dtype=torch.long)  # token ids, then the start position: one copy
-        host[:m] = ids
-        host[m] = start
-        static.inputs.copy_(host)
-        logits = static.run()[-num_logits:].clone()  # the next run overwrites its output
+            static = self._forwards[key] = _StaticForward(self.lean, m, tree is not None, self.capture)
+        host = [ids.long(), torch.tensor([start])]
+        if tree is not None:
+            base, positions, sees = tree
+            host += [torch.tensor([base]), positions.long(), sees.reshape(-1)]
+        static.inputs.copy_(torch.cat(host))
+        static.run()
+        logits = static.logits[-num_logits:].clone()  # the next run overwrites its outputs
+        self.lean.hidden_states = None if static.hidden is None else static.hidden.clone()
+        self.lean.forward_start = start
         self.lean.advance(m)
         return self.lean.to_vocab(logits, full_vocab)

@@ -241,16 +241,16 @@ class LeanRunner:
             self.hidden_states = self.hidden_states[rows]
         self.length = length + len(slots)
 
-    def forward_at(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward_at(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                   visible: torch.Tensor) -> torch.Tensor:
         """The forward with fixed shapes and addresses that a CUDA graph captures: embedding rows [M] at
-        positions [M] (a device tensor, read when run). Writes their keys and values by index, attends
-        over the cache's whole capacity, masking key j for row i unless j <= positions[i] (the cache is
-        zero-filled, so masked keys stay finite), and returns fp32 logits [M, head rows] of every row.
-        `length` does not move (see `advance`); the cache must already hold the positions."""
-        capacity = self.cache.capacity
-        keys = torch.arange(capacity, device=self.device)  # [capacity]
-        mask = (keys[None, :] <= positions[:, None]).repeat(self.group, 1)  # [group M, capacity]
-        x = self._decoder_layers(rows, positions, (positions, capacity, mask, None))
+        rotary positions [M], their keys and values written into cache slots [M] by index, row i attending
+        the cache slots where visible [M, capacity] is True (device tensors, read when run; the cache is
+        zero-filled, so masked keys stay finite). Returns fp32 logits [M, head rows] of every row and keeps
+        `hidden_states` as `forward` does. `length` does not move (see `advance`); the cache must already
+        hold the slots."""
+        window = (slots, self.cache.capacity, visible.repeat(self.group, 1), None)
+        x = self._decoder_layers(rows, positions, window)
         return self.core.logits(self.core.norm(x))
 
     def _window(self, start: int, end: int, visible: torch.Tensor | None = None) -> tuple:
