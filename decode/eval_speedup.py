@@ -45,6 +45,7 @@ from decode.hf_baselines import hf_comparisons
 from decode.proposal import Proposer
 from decode.proposers import LookupProposer, make_proposer
 from decode.runners import Runner, make_runner
+from decode.runners.graphs import MAX_GRAPH_ROWS, MAX_TREE_ROWS, GraphRunner
 from decode.serving import check_serving_memory, measure_serving, speculation_pays_up_to
 from decode.speculative import speculative_decode, target_decode
 from decode.timing import cost_model, timed, verify_cost
@@ -219,6 +220,7 @@ def warm_up_and_cost(s: Setup) -> dict[str, dict]:
     ev = s.cfg.eval
     first = torch.tensor([first_prompt_ids(s)])
     greedy = SamplingParams()
+    capture_graphs(s)
     for _ in range(ev.warmup):
         target_decode(s.target_runner, first, max_new_tokens=8, sampling=greedy)
         for name in ("draft", "feature"):
@@ -230,6 +232,21 @@ def warm_up_and_cost(s: Setup) -> dict[str, dict]:
         for shape, (name, proposer) in itertools.product(s.trees, s.tree_proposers.items()):
             tree_decode(s.verifier(name), proposer, first, shape=shape, max_new_tokens=8, sampling=greedy)
     return costs
+
+
+def capture_graphs(s: Setup) -> None:
+    """On CUDA, capture every graph the timed runs can replay before any of them: the causal forwards, and where
+    trees are measured the target's verification of up to the largest tree and a draft's tree levels
+    (decode/runners/graphs.py). A first run of a 1,000-kernel forward is a capture of tens of milliseconds, which
+    timed runs would otherwise pay each time a tree brings a new node count."""
+    verified = min(MAX_TREE_ROWS, 1 + max((shape.max_nodes for shape in s.trees), default=0))
+    runners = ((s.target_runner, verified), (s.feature_runner, verified), (s.draft_runner, MAX_TREE_ROWS))
+    for runner, tree_rows in runners:
+        if isinstance(runner, GraphRunner):
+            runner.reset()
+            runner.capture_ahead(range(1, MAX_GRAPH_ROWS + 1))
+            if s.trees:
+                runner.capture_ahead(range(1, tree_rows + 1), tree=True)
 
 
 def measure_costs(s: Setup) -> dict[str, dict]:

@@ -14,7 +14,7 @@ from decode.speculative import speculative_decode, target_decode
 from distill.generation.batched_loop import generate_batch
 from distill.generation.runner_engine import row_uniforms
 from tests.conftest import small_llama
-from tests.test_graphs import TREES, check_greedy_trees, check_tree_forward
+from tests.test_graphs import TREES, check_capture, check_greedy_trees, check_tree_forward
 from tests.test_lean import SCHEDULE, _llama
 
 
@@ -84,3 +84,7 @@ def test_tree_replays_match_the_eager_forward_and_keep_hidden_states():
 @pytest.mark.parametrize("shape", TREES)
 def test_greedy_trees_and_feature_drafts_from_graphs_equal_target_only(shape, dtype):
     check_greedy_trees(small_llama(seed=0, layers=2).to("cuda", dtype), shape, capture=True)
+
+
+def test_captures_up_front_leave_decoding_unchanged_on_cuda():
+    check_capture(small_llama(seed=0, layers=2).cuda(), capture=True)

@@ -163,6 +163,30 @@ def test_greedy_trees_and_feature_chains_with_static_runners_equal_target_only(s
     check_greedy_trees(small_llama(seed=0, layers=2), shape, capture=False)
 
 
+def check_capture(target, capture: bool) -> None:
+    """Graphs captured up front on an empty runner (as eval-speedup's warm-up does) leave decoding unchanged."""
+    greedy = SamplingParams()
+    base = target_decode(LeanRunner(target, 16), PROMPT.to(target.device), max_new_tokens=12, sampling=greedy).tolist()
+    runner = GraphRunner(LeanRunner(target, 16), capture)
+    runner.capture_ahead(range(1, 5))
+    runner.capture_ahead(range(1, 4), tree=True)
+    assert runner.static_shapes == [(1, False), (1, True), (2, False), (2, True), (3, False), (3, True), (4, False)]
+    assert runner.length == 0
+    out = target_decode(runner, PROMPT.to(target.device), max_new_tokens=12, sampling=greedy)
+    assert out.tolist() == base
+    runner.reset()
+    runner.forward(torch.tensor([1, 2]), 1)
+    with pytest.raises(ValueError, match="empty runner"):
+        runner.capture_ahead(range(1, 2))
+    runner.reset()
+    with pytest.raises(ValueError, match="1..65 rows, not 66"):
+        runner.capture_ahead(range(66, 67), tree=True)
+
+
+def test_captures_up_front_leave_decoding_unchanged():
+    check_capture(small_llama(seed=0, layers=2), capture=False)
+
+
 def test_graph_backend_needs_cuda_and_auto_stays_eager_on_cpu(tmp_path):
     model = tiny_model("target")
     assert type(make_runner(model, 49152, "auto")) is LeanRunner
