@@ -6,10 +6,11 @@ import json
 import pytest
 import torch
 
-from common.config import ConfigError
+from common.config import ConfigError, load_config
 from common.models import TokenizerMismatch, load_model, load_tokenizer
 from decode.bench import main
 from decode.drafts.feature.model import FeatureDraftMismatch
+from decode.eval_speedup import setup, warm_prompt_shapes
 from decode.runners import make_runner
 from decode.runners.lean import LeanRunner
 from decode.stats import predicted_speedup
@@ -55,6 +56,17 @@ def test_both_draft_kinds_side_by_side(tmp_path, feature_folder, one_thread):
     assert "Feature draft (`feature` rows)" in markdown
     samples = {json.loads(line)["method"] for line in (tmp_path / "samples.jsonl").read_text().splitlines()}
     assert {"speculative k=2 feature", "speculative k=2 feature + lookup", "speculative k=2 + lookup"} <= samples
+
+
+def test_each_prompt_is_prefilled_on_every_runner_before_its_timed_runs(feature_folder, one_thread):
+    s = setup(load_config(TINY, ["draft=tiny:draft", f"eval.feature_draft={feature_folder}", "eval.prompts=[gsm8k]"]))
+    prompt = torch.tensor([next(iter(s.prompt_sets.values()))[0].token_ids])
+    fed: dict[str, list[int]] = {"target": [], "draft": [], "feature": []}
+    for name, runner in (("target", s.target_runner), ("draft", s.draft_runner), ("feature", s.feature_runner)):
+        forward = runner.forward
+        runner.forward = lambda ids, *a, _f=forward, _rows=fed[name], **k: _rows.append(len(ids)) or _f(ids, *a, **k)
+    warm_prompt_shapes(s, prompt)
+    assert all(prompt.shape[1] - 1 in rows for rows in fed.values()), fed
 
 
 def test_a_feature_draft_alone(tmp_path, feature_folder, one_thread):
