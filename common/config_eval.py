@@ -26,7 +26,8 @@ class EvalConfig:
     top_k: int = 0
     top_p: float = 1.0
     warmup: int = 1
-    """Untimed warm-up generations before measuring."""
+    """Untimed warm-up generations before measuring (besides: each prompt is prefilled once, untimed, on every
+    runner before its timed runs, and on CUDA every graph the runs replay is captured first)."""
     hf_baselines: bool = True
     """Also time HF generate greedy, assisted generation and prompt lookup on the same prompts."""
     r_max_k: int = 8
