@@ -124,8 +124,9 @@ def draft_record(ref: str, model: torch.nn.Module, target_params: int) -> dict:
     else:
         vocab = VocabSubset.from_config(model.config)
         subset, layers = (vocab.size if vocab is not None else None), None
+    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(next(model.parameters()).dtype, "other")
     return {"ref": ref, "params": params, "param_ratio": params / target_params, "vocab_subset": subset,
-            "target_layers": layers, "recipe": training_recipe(Path(ref))}
+            "target_layers": layers, "dtype": dtype, "recipe": training_recipe(Path(ref))}
 
 
 def training_recipe(folder: Path) -> dict | None:

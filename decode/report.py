@@ -34,8 +34,9 @@ def _draft_part(name: str, draft: dict | None) -> str:
     if not draft:
         return ""
     layers = f", reads layers {draft['target_layers']}" if draft.get("target_layers") else ""
+    dtype = f", {draft['dtype']}" if draft.get("dtype") else ""
     return (f", {name} `{draft['ref']}` ({draft['params'] / 1e6:.2f}M params, "
-            f"{100 * draft['param_ratio']:.2f}% of the target{layers})")
+            f"{100 * draft['param_ratio']:.2f}% of the target{layers}{dtype})")
 
 
 def recipe_lines(report: dict) -> list[str]:

@@ -191,6 +191,20 @@ def test_serving_table_at_several_batch_sizes(tmp_path, one_thread):
     assert set(report["serving"]["pays_up_to"]) == {0.0, 0.7}
 
 
+@pytest.mark.filterwarnings("ignore:eval.dtype=bf16 on a device without native bf16")
+def test_a_bf16_target_on_a_cpu_decodes_beside_an_fp32_draft(tmp_path, one_thread):
+    """The standalone draft stays fp32 on a CPU (its dtype moves what it proposes, never what the target accepts):
+    greedy rows still equal target-only, and HF's assisted generation takes the mixed pair."""
+    report = main(["--config", "configs/tiny.yaml", "draft=tiny:draft", "eval.prompts=[gsm8k]", "eval.num_prompts=2",
+                   "eval.ks=[2]", "eval.temperatures=[0.0]", "eval.warmup=0", "eval.max_new_tokens=8",
+                   "eval.hf_prompts=1", "eval.dtype=bf16", "device=cpu", f"eval.out_dir={tmp_path}",
+                   "wandb.mode=disabled"])
+    assert report["dtype"]["dtype"] == "bf16" and report["draft"]["dtype"] == "fp32"
+    assert all(row["greedy_identical"] for row in report["results"])
+    assert [row["method"] for row in report["hf"]] == ["hf greedy", "hf assisted", "hf prompt lookup"]
+    assert "49.14% of the target, fp32)" in (tmp_path / "report.md").read_text()
+
+
 def test_request_groups_cover_every_request_once_in_order():
     assert request_groups(16, 1) == [range(0, 4), range(4, 8), range(8, 12), range(12, 16)]
     assert request_groups(9, 2) == [range(0, 4), range(4, 9)]  # groups of at least two batches
