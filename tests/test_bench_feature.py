@@ -58,6 +58,17 @@ def test_both_draft_kinds_side_by_side(tmp_path, feature_folder, one_thread):
     assert {"speculative k=2 feature", "speculative k=2 feature + lookup", "speculative k=2 + lookup"} <= samples
 
 
+@pytest.mark.filterwarnings("ignore:eval.dtype=bf16 on a device without native bf16")
+def test_both_drafts_decode_in_fp32_beside_a_bf16_target_on_a_cpu(tmp_path, feature_folder, one_thread):
+    report = eval_speedup(tmp_path, "draft=tiny:draft", f"eval.feature_draft={feature_folder}", "eval.dtype=bf16",
+                          "device=cpu", "eval.trees=['2x1']", "eval.temperatures=[0.0]")
+    assert report["dtype"]["dtype"] == "bf16"
+    assert report["draft"]["dtype"] == report["feature_draft"]["dtype"] == "fp32"
+    assert {(r["proposer"], r["tree"]) for r in report["results"]} == {
+        (p, t) for p in ("draft", "feature") for t in (None, "2x1")}
+    assert all(r["greedy_identical"] for r in report["results"])
+
+
 def test_each_prompt_is_prefilled_on_every_runner_before_its_timed_runs(feature_folder, one_thread):
     s = setup(load_config(TINY, ["draft=tiny:draft", f"eval.feature_draft={feature_folder}", "eval.prompts=[gsm8k]"]))
     prompt = torch.tensor([next(iter(s.prompt_sets.values()))[0].token_ids])
