@@ -18,14 +18,14 @@ from common.errors import UserError
 from common.models import load_model, load_tokenizer
 from common.progress import BatchProgress
 from common.prompts import chat_token_ids, load_prompt_set
-from common.sampling import SamplingParams, sample, sample_rows, warp_probs
+from common.sampling import NUCLEUS_CANDIDATES, ROW_CANDIDATES, SamplingParams, sample, sample_rows, warp_probs
 from decode.runners.batched import LeanBatchedRunner
 from decode.runners.hf import HFBatchedRunner
-from distill.generation.run import run
 from distill.generation.batched_loop import generate_batch, score_batch
 from distill.generation.engine import Completion
 from distill.generation.pairs import clean_gsm8k
 from distill.generation.plan import PLAN_FILE, ResumeMismatch
+from distill.generation.run import run
 from distill.generation.runner_engine import row_uniforms
 from distill.generation.shards import CorruptShardError, verify_shards
 
@@ -86,6 +86,21 @@ def test_warp_probs_keeps_the_nucleus_of_a_full_sort(scale, top_k):
     assert torch.equal(probs > 0, kept)
     assert (kept.sum(-1) > 512).all() == (scale < 1)  # both paths were taken
     torch.testing.assert_close(probs, scaled.masked_fill(~kept, float("-inf")).softmax(-1))
+
+
+def test_sample_rows_draws_each_row_from_warp_probs_whatever_its_nucleus_size():
+    """Rows whose nucleus lies within ROW_CANDIDATES, within NUCLEUS_CANDIDATES, and beyond both, in one batch."""
+    slopes = torch.tensor([0.2, 0.01, 0.0005])[:, None]  # nucleus of ~8, ~160 and ~900 tokens at T = 0.7, top-p 0.9
+    logits = -slopes * torch.arange(1000.0)
+    sampling = SamplingParams(0.7, 0, 0.9)
+    expected = warp_probs(logits, 0.7, 0, 0.9).double()
+    sizes = (expected > 0).sum(-1)
+    assert sizes[0] <= ROW_CANDIDATES < sizes[1] <= NUCLEUS_CANDIDATES < sizes[2]
+    n = 4000
+    uniforms = (torch.arange(n, dtype=torch.float64) / n).repeat(3)
+    ids = sample_rows(logits.repeat_interleave(n, 0), uniforms, sampling).view(3, n)
+    drawn = torch.stack([torch.bincount(row, minlength=1000) for row in ids]).double() / n
+    torch.testing.assert_close(drawn, expected, atol=1.01 / n, rtol=0)
 
 
 def test_sample_rows_falls_back_when_the_nucleus_exceeds_the_candidates():

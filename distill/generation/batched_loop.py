@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from common.sampling import NUCLEUS_CANDIDATES, SamplingParams, sample_rows
+from common.sampling import ROW_CANDIDATES, SamplingParams, sample_rows
 from distill.generation.engine import Completion
 
 
@@ -38,7 +38,7 @@ def generate_batch(runner, prompts: list[list[int]], uniforms: torch.Tensor, *, 
     topk_ids = torch.zeros(B, max_new_tokens, teacher_topk, dtype=torch.int32)
     topk_logprobs = torch.zeros(B, max_new_tokens, teacher_topk, dtype=torch.float32)
     # One topk serves the teacher cache and the top-k/top-p candidates (temperature keeps the order).
-    candidate_count = max(teacher_topk, NUCLEUS_CANDIDATES if sampling.top_k == 0 else sampling.top_k)
+    candidate_count = max(teacher_topk, ROW_CANDIDATES if sampling.top_k == 0 else sampling.top_k)
     share_candidates = teacher_topk or (not sampling.greedy and sampling.top_p < 1)
     rows = torch.arange(B)  # original row of each cache row
     alive = torch.ones(B, dtype=torch.bool)  # per cache row
@@ -47,7 +47,7 @@ def generate_batch(runner, prompts: list[list[int]], uniforms: torch.Tensor, *, 
         if teacher_topk:
             # log_softmax at temperature 1 of the K largest logits: logit - logsumexp(all logits).
             alive_d = alive.to(device)
-            values = candidates[0][alive_d, :teacher_topk] - logits[alive_d].logsumexp(-1, keepdim=True)
+            values = candidates[0][alive_d, :teacher_topk] - logits.logsumexp(-1, keepdim=True)[alive_d]
             topk_ids[rows[alive], t] = candidates[1][alive_d, :teacher_topk].to(torch.int32).cpu()
             topk_logprobs[rows[alive], t] = values.cpu()  # [b, K]
         next_ids = sample_rows(logits, uniforms[rows, t].to(device), sampling, candidates)  # [cache rows]
