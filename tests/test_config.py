@@ -284,3 +284,41 @@ def test_entry_points_report_a_mistyped_target_in_one_line(module, args, tmp_pat
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert errors == [f"error: target: model path '{tmp_path}/no-such-target' does not exist"], stderr
 
+
+
+def _preset_with_overlay(tmp_path, overlay: str) -> Path:
+    path = tmp_path / "preset.yaml"
+    path.write_text("name: p\ndevice: cpu\ndistill:\n  max_steps: 100\n  lr: 0.003\n" + overlay)
+    return path
+
+
+def test_native_bf16_overlay_replaces_settings_only_where_bf16_is_native(tmp_path, capsys):
+    preset = _preset_with_overlay(tmp_path, "native_bf16:\n  distill: {max_steps: 300}\n"
+                                            "  generate: {samples_per_prompt: 2}\n")
+    fast = load_config(preset, native_bf16=True)
+    assert (fast.distill.max_steps, fast.distill.lr, fast.generate.samples_per_prompt) == (300, 0.003, 2)
+    assert "native_bf16: applied" in capsys.readouterr().err
+    slow = load_config(preset, native_bf16=False)
+    assert (slow.distill.max_steps, slow.generate.samples_per_prompt) == (100, 1)
+    assert "native_bf16: not applied" in capsys.readouterr().err
+    # The command line still has the last word, and can turn the overlay off.
+    assert load_config(preset, ["distill.max_steps=7"], native_bf16=True).distill.max_steps == 7
+    assert load_config(preset, ["native_bf16={}"], native_bf16=True).distill.max_steps == 100
+
+
+def test_native_bf16_overlay_follows_the_machine(tmp_path, monkeypatch, capsys):
+    preset = _preset_with_overlay(tmp_path, "native_bf16:\n  distill: {max_steps: 300}\n")
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx2"}))
+    assert load_config(preset).distill.max_steps == 100
+    assert "no avx512_bf16/amx_bf16" in capsys.readouterr().err
+
+
+def test_native_bf16_overlay_typos_fail_on_every_machine(tmp_path):
+    preset = _preset_with_overlay(tmp_path, "native_bf16:\n  distill: {max_stepz: 300}\n")
+    for native in (True, False):
+        with pytest.raises(ConfigError, match=r"native_bf16: unknown config key 'distill\.max_stepz'.*max_steps"):
+            load_config(preset, native_bf16=native)
+    with pytest.raises(ConfigError, match="native_bf16: expected a mapping"):
+        load_config(_preset_with_overlay(tmp_path, "native_bf16: 2\n"))
+    with pytest.raises(ConfigError, match=r"native_bf16: invalid config:\s+distill\.max_steps must be >= 1"):
+        load_config(_preset_with_overlay(tmp_path, "native_bf16:\n  distill: {max_steps: -1}\n"), native_bf16=False)

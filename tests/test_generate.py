@@ -141,6 +141,27 @@ def test_lean_runner_matches_hf_forward(target, monkeypatch):
     torch.testing.assert_close(bf16.prefill([prompts[0]], 8)[0], lean.prefill([prompts[0]], 8)[0], atol=2e-2, rtol=0)
 
 
+def test_batched_cache_reads_no_slot_before_writing_or_zeroing_it(target, monkeypatch):
+    """The cache is allocated empty (here: full of NaN): a decode step reads slots min(pad).. of every row,
+    so the slots before a chunk of shorter prompts' start are zeroed, the rest written before they are read."""
+    monkeypatch.setattr("decode.runners.batched.PREFILL_CHUNK_POSITIONS", 6)  # 3 chunks, starting at slots 0, 3, 2
+    prompts, tokens = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]], torch.tensor([20, 21, 22])
+
+    def forward():
+        runner = LeanBatchedRunner(target)
+        first = runner.prefill(prompts, 9)
+        runner.keep(torch.tensor([1, 2, 0, 1]))
+        return first, runner.step(tokens[[1, 2, 0, 1]]), runner.step(tokens[[0, 0, 0, 0]])
+
+    expected = forward()
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan"))
+                        if kw.get("dtype", torch.float32).is_floating_point else empty(*a, **kw))
+    for got, want in zip(forward(), expected):
+        assert got.isfinite().all()
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
 def _generate(target, prompts, batch_size, teacher_topk=0, top_p=0.95):
     uniforms = torch.stack([row_uniforms(0, f"p{i}", 0, 12) for i in range(len(prompts))])
     out = []
@@ -163,6 +184,21 @@ def test_completion_does_not_depend_on_batch(target):
     together = _generate(target, prompts, 6, top_p=1.0)
     assert [c.completion_ids.tolist() for c in alone] == [c.completion_ids.tolist() for c in together]
     assert all(len(c.completion_ids) == 12 or c.finish_reason == "eos" for c in together)
+
+
+def test_samples_of_one_prompt_share_its_prefill(target, monkeypatch):
+    """generate.samples_per_prompt puts a prompt's samples side by side: it is prefilled once and its cache
+    rows copied, and each sample is still the completion its own row draws alone."""
+    prompts = [[1, 5, 9, 30], [1, 5, 9, 30], [1, 8, 9, 31, 40], [1, 5, 9, 30]]
+    prefilled = []
+    prefill = LeanBatchedRunner.prefill
+    monkeypatch.setattr(LeanBatchedRunner, "prefill",
+                        lambda self, rows, **kw: prefilled.append(rows) or prefill(self, rows, **kw))
+    together = _generate(target, prompts, 4, top_p=1.0)
+    assert prefilled == [[[1, 5, 9, 30], [1, 8, 9, 31, 40]]]
+    alone = _generate(target, prompts, 1, top_p=1.0)
+    assert [c.completion_ids.tolist() for c in alone] == [c.completion_ids.tolist() for c in together]
+    assert len({tuple(c.completion_ids.tolist()) for c in together[:2]}) == 2  # the samples differ
 
 
 def test_teacher_topk_matches_a_fresh_forward(target):

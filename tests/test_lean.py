@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from common.models import tiny_model
@@ -95,6 +96,28 @@ def test_batched_projection_layouts_compute_x_times_w_transposed(layout):
     for x in (torch.randn(1, 576, generator=gen), torch.randn(70, 576, generator=gen),
               torch.randn(3, 5, 576, generator=gen)):
         torch.testing.assert_close(proj(x), x @ w.T + bias, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["linear", "packed"])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_batched_gate_up_projection_computes_silu_gate_times_up(layout, dtype):
+    """`gated` of a fused gate/up weight [2 I, in] is silu(x @ gate.T + b) * (x @ up.T + b) through either layout
+    (packed: silu and the product fused into oneDNN's two GEMMs), in fp32 and, where native, bf16."""
+    gen = torch.Generator().manual_seed(0)
+    w, bias = torch.randn(2 * 96, 64, generator=gen) / 8, torch.randn(2 * 96, generator=gen) / 4
+    proj = CastProjection(w, bias, dtype)
+    if layout == "packed" and not proj.packable:
+        pytest.skip("oneDNN cannot pack this dtype here")
+    proj.use(layout)
+    w32, b32 = proj.w.float(), proj.bias.float()  # the weights as the GEMM sees them
+    for x in (torch.randn(1, 64, generator=gen), torch.randn(70, 64, generator=gen),
+              torch.randn(3, 5, 64, generator=gen)):
+        gate, up = (x @ w32.T + b32).chunk(2, dim=-1)
+        tolerance = dict(atol=1e-5, rtol=1e-5) if dtype is None else dict(atol=3e-2, rtol=2e-2)
+        torch.testing.assert_close(proj.gated(x).float(), F.silu(gate) * up, **tolerance)
+    assert (proj.packed_halves is not None) == (layout == "packed")
+    proj.use("linear")
+    assert proj.packed is None and proj.packed_halves is None
 
 
 def test_batched_projection_keeps_the_layout_timed_fastest(monkeypatch):

@@ -8,8 +8,9 @@ the target's arithmetic is cheap next to the framework around it.
 `LlamaCore` holds the weights (q/k/v and gate/up fused into one matrix each, so a layer is 4
 GEMMs; norms; the output head's rows) and computes RMSNorm, rotary embeddings from a precomputed
 table and each layer: norm -> qkv -> rope -> write cache -> attention -> o -> norm -> gate/up ->
-silu -> down. How keys and values are stored and attended (and with which mask) belongs to the
-cache layout passed in: `RollbackCache` (runners/lean.py, batch 1) or `BatchedCache`
+silu -> down (silu and the product fused into the GEMMs where oneDNN runs them packed). How keys and
+values are stored and attended (and with which mask) belongs to the cache layout passed in:
+`RollbackCache` (runners/lean.py, batch 1) or `BatchedCache`
 (runners/batched.py, left-padded rows). Both runners are tested against the HF forward.
 """
 
@@ -20,8 +21,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from transformers import LlamaForCausalLM
+
+from decode.runners.projection import silu_gate
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -98,6 +100,13 @@ class LlamaLayer:
     post_norm: torch.Tensor  # [hidden]
     gate_up: Project  # [2 I, hidden]
     down: Project  # [hidden, I]
+
+
+def swiglu(gate_up: Project, x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up [..., I] from one fused gate/up projection [2 I, hidden] of x [..., hidden]; a
+    projection that fuses the activation into its GEMMs (CastProjection.gated) computes it itself."""
+    gated = getattr(gate_up, "gated", None)
+    return gated(x) if gated is not None else silu_gate(gate_up(x))
 
 
 def _fused(*linears: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -177,9 +186,7 @@ class LlamaCore:
             qk = qk * cos + qk.roll(D // 2, dims=-1) * sin
             attn = cache.attend(i, qk[..., :H, :], qk[..., H:, :], qkv[..., H + KV :, :], window)  # [..., H D]
             x = x + layer.o(attn)
-            gate_up = layer.gate_up(rms_norm(x, layer.post_norm, self.eps))  # [..., 2 I]
-            inter = gate_up.shape[-1] // 2
-            x = x + layer.down(F.silu(gate_up[..., :inter]) * gate_up[..., inter:])
+            x = x + layer.down(swiglu(layer.gate_up, rms_norm(x, layer.post_norm, self.eps)))
             if i in keep:
                 kept[i] = self.norm(x) if i == len(self.layers) - 1 else x
         return x, [kept[i] for i in keep]
