@@ -42,8 +42,7 @@ def cli_config(argv: list[str] | None, description: str) -> Config:
 
 
 def _help_epilog() -> str:
-    lines = ["config keys (defaults); a file's `native_bf16:` mapping of these replaces its settings where the",
-             "device computes bf16 natively (docs/configuration.md):"]
+    lines = ["config keys (defaults):"]
     sections = ("generate", "distill", "onpolicy", "eval", "engines", "wandb")
     for section in (None,) + sections:
         cls = Config if section is None else typing.get_type_hints(Config)[section]

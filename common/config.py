@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -177,68 +176,17 @@ def _merge(base: dict, extra: dict, cls=None) -> dict:
     return out
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None, *,
-                native_bf16: bool | None = None) -> Config:
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
     """Read a YAML config, apply `key.sub=value` overrides, type-check and validate it.
 
-    A file's `native_bf16:` mapping holds settings that replace the file's own where the device computes
-    bf16 natively (the check behind generate.dtype=auto), before the overrides: what the same minutes buy
-    on a faster machine. It is checked on every machine, and one stderr line says whether it applied;
-    `native_bf16={}` on the command line turns it off, the argument `native_bf16` forces the choice.
     An empty file (or one with only comments) is an error, not a run with every default."""
     data: dict = {}
     if path is not None:
         data = _read_yaml(Path(path))
-    extra = parse_overrides(overrides or [])
-    overlay = extra.pop(OVERLAY_KEY, data.pop(OVERLAY_KEY, None)) or {}
-    if overlay:
-        data = _with_overlay(data, overlay, extra, native_bf16)
-    config = _build(Config, _merge(data, extra, Config), "")
+    data = _merge(data, parse_overrides(overrides or []), Config)
+    config = _build(Config, data, "")
     config.validate()
     return config
-
-
-OVERLAY_KEY = "native_bf16"
-
-
-def _with_overlay(data: dict, overlay, extra: dict, native_bf16: bool | None) -> dict:
-    """`data` with the `native_bf16:` settings merged in where they apply (see load_config)."""
-    if not isinstance(overlay, dict):
-        raise ConfigError(f"{OVERLAY_KEY}: expected a mapping of settings, got {type(overlay).__name__} {overlay!r}")
-    _build(Config, data, "")  # the file's own problems are named as such, then the overlay's
-    try:  # a typo fails on every machine, not only where the overlay applies
-        _build(Config, _merge(data, overlay, Config), "").validate()
-    except ConfigError as e:
-        raise ConfigError(f"{OVERLAY_KEY}: {e}") from None
-    if native_bf16 is None:
-        native_bf16, why = _computes_bf16_natively(_merge(data, extra, Config).get("device", "auto"))
-    else:
-        why = "asked for"
-    settings = ", ".join(f"{key}={value}" for key, value in _dotted(overlay))
-    print(f"{OVERLAY_KEY}: {'applied' if native_bf16 else 'not applied'} ({why}): {settings}", file=sys.stderr)
-    return _merge(data, overlay, Config) if native_bf16 else data
-
-
-def _computes_bf16_natively(device: str) -> tuple[bool, str]:
-    """(whether `device` ('auto', 'cpu', 'cuda') computes bf16 natively, why), as generate.dtype=auto decides."""
-    import torch  # only where a config has the overlay: the check measures one GEMM (~0.1 s)
-
-    from common.precision import native_bf16
-
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        return False, "no CUDA device here"
-    return native_bf16(torch.device(device))
-
-
-def _dotted(tree: dict, prefix: str = ""):
-    """{'distill': {'max_steps': 3000}} -> ('distill.max_steps', 3000), ..."""
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            yield from _dotted(value, f"{prefix}{key}.")
-        else:
-            yield f"{prefix}{key}", value
 
 
 def _read_yaml(path: Path) -> dict:

@@ -24,12 +24,6 @@ Generated from the config classes (`common/config.py` and the sections it import
 (`python -m common.config_reference > docs/configuration.md`); do not edit by hand.
 Every key can be set in a config file (`CONFIG=configs/x.yaml`) or on the command line
 (`ARGS="key.sub=value ..."`); `python -m decode.bench --help` lists the same keys with their defaults.
-
-A config file may also hold `native_bf16:`, a mapping of the keys below (`native_bf16: {distill: {max_steps:
-3000}}`) that replace the file's own settings where the device computes bf16 natively (a CPU with
-avx512_bf16/AMX whose bf16 GEMMs measure faster, or a GPU: the check behind `generate.dtype: auto`), before the
-command line's overrides. Every stage prints one line saying whether it applied; `native_bf16={}` on the command
-line turns it off.
 """
 
 
