@@ -141,6 +141,17 @@ def test_lean_runner_matches_hf_forward(target, monkeypatch):
     torch.testing.assert_close(bf16.prefill([prompts[0]], 8)[0], lean.prefill([prompts[0]], 8)[0], atol=2e-2, rtol=0)
 
 
+def test_keep_copies_a_row_listed_twice(target):
+    """Both batched runners: keep([1, 0, 1]) gives prompt 1's cache to two rows, which then decode apart."""
+    prompts, steps = [[5, 6, 7], [8, 9]], [([8, 9], 20), ([5, 6, 7], 20), ([8, 9], 21)]
+    with torch.no_grad():
+        alone = torch.stack([target(torch.tensor([p + [t]])).logits[0, -1] for p, t in steps])
+    for runner in (LeanBatchedRunner(target), HFBatchedRunner(target)):
+        runner.prefill(prompts, 6)
+        runner.keep(torch.tensor([1, 0, 1]))
+        torch.testing.assert_close(runner.step(torch.tensor([t for _, t in steps])), alone, atol=1e-5, rtol=0)
+
+
 def test_batched_cache_reads_no_slot_before_writing_or_zeroing_it(target, monkeypatch):
     """The cache is allocated empty (here: full of NaN): a decode step reads slots min(pad).. of every row,
     so the slots before a chunk of shorter prompts' start are zeroed, the rest written before they are read."""

@@ -63,7 +63,8 @@ class BatchedRunner(Protocol):
         """Feed one token per live row [B] at the next slot -> fp32 logits [B, V]."""
 
     def keep(self, rows: torch.Tensor) -> None:
-        """Keep only cache rows `rows`, in that order (finished rows stop costing compute)."""
+        """Keep only cache rows `rows`, in that order (finished rows stop costing compute); a row listed
+        twice is copied (the samples of one prompt share its prefill)."""
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states [..., H] -> fp32 logits [..., V]."""
