@@ -25,6 +25,7 @@ from transformers import LlamaForCausalLM
 
 from decode.runners.projection import silu_gate
 
+
 _DTYPES = (torch.float32, torch.bfloat16)
 
 # Rotary types whose frequencies are fixed when the model is built (Llama 3.x uses "llama3"), so the
