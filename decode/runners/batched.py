@@ -44,11 +44,12 @@ class BatchedCache:
     def prefill_window(self, rows: slice, start: int) -> tuple[torch.Tensor, tuple]:
         """Positions [b, L - start] and window of cache rows `rows` over slots start..length-1.
 
-        Slots before `start` are zeroed: a decode step reads slots min(pad).. of every row, and these rows
-        (a chunk of shorter prompts) never write them. Masked, but a masked slot must still not hold NaN."""
-        for cache in (self.keys, self.values):
-            for layer in cache:
-                layer[rows, :, :start] = 0
+        Slots min(pad)..start-1 are zeroed: a decode step reads them for every row, and these rows (a chunk
+        of shorter prompts) never write them. Masked, but a masked slot must still not hold NaN."""
+        if start > self.read_from:
+            for cache in (self.keys, self.values):
+                for layer in cache:
+                    layer[rows, :, self.read_from:start] = 0
         slots = torch.arange(start, self.length, device=self.pad.device)
         pad = self.pad[rows, None, None, None]
         # Causal, pads excluded; a pad query attends to itself only so no row is all -inf.
