@@ -133,8 +133,9 @@ class GenerateConfig:
 @dataclass
 class DistillConfig:
     data_dirs: list[str] = field(default_factory=lambda: ["data/default"])
-    """generate-data output folders (generated and/or scored shards) to train on. The held-out set is the
-    first eval_samples held-out rows in this order, so keep the folder whose held-out rows you compare on first."""
+    """generate-data output folders (generated and/or scored shards) to train on. The held-out set takes
+    eval_samples held-out rows in this order of folders, spread over each folder's rows, so keep the folder
+    whose held-out rows you compare on first."""
     data_weights: list[float] = field(default_factory=list)
     """Mixture: one weight in [0, 1] per data dir, the share of each epoch's examples drawn from it (a
     folder smaller than its share is repeated within the epoch, a larger one sampled). Empty: every
@@ -211,6 +212,8 @@ class DistillConfig:
     eval_every: int = 50
     save_every: int = 50
     eval_samples: int = 64
+    """Held-out rows evaluated during training and by `python -m distill.held_out`, spread over the held-out
+    split (distill/data.py held_out_subset); the demo's data holds 118."""
     early_stop_patience: int = 0
     """Stop after this many evaluations without α improving (0 = never)."""
     max_bad_steps: int = 0

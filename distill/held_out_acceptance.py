@@ -3,9 +3,10 @@
 
 Training's held-out α with a cached teacher sums min(p, q) over the stored top-K tokens only: a lower
 bound, and one a draft can raise by moving mass into the top-K without accepting more often. Here the
-target runs over the same held-out rows (the first distill.eval_samples held-out rows of
-distill.data_dirs) and each draft's full-vocabulary distribution, as the decoder samples it (a subset
-draft expanded by decode/vocab.py full_logits), meets the target's over the whole vocabulary:
+target runs over the same held-out rows (distill.eval_samples of distill.data_dirs' held-out rows, spread
+over them: distill/data.py held_out_subset) and each draft's full-vocabulary distribution, as the decoder
+samples it (a subset draft expanded by decode/vocab.py full_logits), meets the target's over the whole
+vocabulary:
   α at T       Σ_v min(p_T, q_T) with both tempered: the acceptance of speculative sampling at T
   greedy       P(argmax q = argmax p): the acceptance of greedy decoding
   τ(k)         (1 − α^(k+1)) / (1 − α), tokens per target forward at draft length k (i.i.d. α)
@@ -26,7 +27,7 @@ from common.config import ConfigError
 from common.models import check_tokenizers, load_model, load_tokenizer, reference_problem
 from decode.stats import expected_tau
 from decode.vocab import VocabSubset
-from distill.data import collate, load_examples
+from distill.data import collate, held_out_subset, load_examples
 from distill.training.teacher import Teacher, draft_row_logits
 
 
@@ -75,7 +76,7 @@ def held_out_batches(config, tokenizer):
     """The held-out rows training evaluates on, in batches of ROWS_PER_BATCH."""
     dc = config.distill
     _, held_out = load_examples(dc.data_dirs, dc.max_seq_len, need_topk=False)
-    held_out = held_out[: dc.eval_samples]
+    held_out = held_out_subset(held_out, dc.eval_samples)
     for start in range(0, len(held_out), ROWS_PER_BATCH):
         yield collate(held_out[start:start + ROWS_PER_BATCH], tokenizer.pad_token_id or 0, with_topk=False)
 

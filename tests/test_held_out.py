@@ -3,13 +3,14 @@
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from common.config import ConfigError
 from common.models import load_model, load_tokenizer
 from decode.stats import expected_tau
-from distill.data import collate, load_examples
+from distill.data import Example, collate, held_out_subset, load_examples
 from distill.held_out import main
 from distill.held_out_acceptance import draft_full_logits, held_out_acceptance
 from tests.conftest import small_llama, subset_llama
@@ -55,10 +56,23 @@ def test_the_command_compares_drafts_on_the_held_out_rows_training_uses(tmp_path
     results = main(["--config", str(ROOT / "configs/tiny.yaml"), "--drafts", str(tmp_path / "target"),
                     str(tmp_path / "draft"), "--json", str(out), f"distill.data_dirs=[{data}]"])
     _, held_out = load_examples([str(data)], 128, need_topk=False)
-    tokens = int(collate(held_out[:4], 0, with_topk=False)["loss_mask"].sum())
+    assert len(held_out) > 4  # tiny.yaml's eval_samples: the command reads a spread subset
+    tokens = int(collate(held_out_subset(held_out, 4), 0, with_topk=False)["loss_mask"].sum())
     assert results[str(tmp_path / "target")]["alpha_T1"] == pytest.approx(1.0)
     draft = results[str(tmp_path / "draft")]
     assert 0 < draft["alpha_T0.7"] < 1 and draft["tokens"] == tokens
     assert json.loads(out.read_text()) == results and "| draft | α T1 |" in capsys.readouterr().out
     with pytest.raises(ConfigError, match="--drafts: model path .* does not exist"):
         main(["--config", str(ROOT / "configs/tiny.yaml"), "--drafts", str(tmp_path / "nothing")])
+
+
+def test_the_held_out_subset_spreads_over_each_folder_in_folder_order():
+    def rows(folder, n):
+        return [Example(np.arange(i + 2), 1, None, None, "x", folder) for i in range(n)]  # length-sorted
+
+    first, second = rows(0, 10), rows(1, 6)
+    spread = held_out_subset(first + second, 4)
+    assert [len(ex.ids) for ex in spread] == [2, 5, 8, 11]  # shortest and longest kept, not the first four
+    assert held_out_subset(first + second, 13) == first + [second[0], second[2], second[5]]
+    assert held_out_subset(first + second, 100) == first + second
+    assert held_out_subset(first, 0) == [] and held_out_subset(first, 1) == [first[0]]

@@ -28,7 +28,7 @@ from common.progress import expectation
 from decode.drafts.standalone.build import add_outside_rows, build_pretrained_draft, build_scratch_draft
 from decode.vocab import VocabSubset
 from distill.checkpoint import TrainState, latest_checkpoint, load_newest_loadable, save_checkpoint
-from distill.data import StepSampler, collate, load_examples
+from distill.data import StepSampler, collate, held_out_subset, load_examples
 from distill.export.hf import copy_hf, export_hf
 from distill.losses import kl_per_token, mixed_loss
 from distill.training.accelerator import make_accelerator, shards_parameters
@@ -134,7 +134,7 @@ class DistillRecipe:
         dc = self.dc
         self.train_set, eval_set = load_examples(dc.data_dirs, dc.max_seq_len, need_topk=self.need_topk,
                                                  sources=dc.sources)
-        self.eval_set = eval_set[: dc.eval_samples]
+        self.eval_set = held_out_subset(eval_set, dc.eval_samples)
         self.tokenizer = load_tokenizer(self.config.target)
         self.say(f"data: {len(self.train_set)} train / {len(self.eval_set)} eval examples from {dc.data_dirs}")
         self.sampler = StepSampler(len(self.train_set), dc.micro_batch_size, dc.grad_accum, self.world,
