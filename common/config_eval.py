@@ -37,11 +37,10 @@ class EvalConfig:
     'lean' or 'graph' require it; 'hf' forces HF forwards with a DynamicCache."""
     dtype: str = "auto"
     """'auto' (bf16 on a GPU with native bf16 and on a CPU with AMX, where oneDNN's packed bf16 GEMMs beat
-    fp32 at 1-65 rows; fp32 on other CPUs, and on any CPU in a run with eval.serving_batches), 'fp32' or
-    'bf16'. In bf16 on a CPU each row of a batch-1 forward gets the bits a one-token forward gives it, so
-    speculative output equals bf16 target-only token for token; the batched runner does not keep bf16 rows
-    apart, so bf16 with a serving table on a CPU is refused. Drafts (standalone and feature) decode in fp32
-    on any CPU (faster there), in this dtype on a GPU."""
+    fp32 at 1-65 rows; fp32 on other CPUs), 'fp32' or 'bf16'. In bf16 on a CPU each row of a forward, batch 1
+    or the serving table's batches, gets the bits a one-token batch-1 forward gives it, so speculative output
+    equals bf16 target-only token for token. Drafts (standalone and feature) decode in fp32 on any CPU
+    (faster there), in this dtype on a GPU."""
     hf_prompts: int = 0
     """HF baselines on the first this-many prompts of each set (0: all of them), compared with our runs
     on the same prompts: HF generate is the slowest part of eval-speedup on a CPU."""

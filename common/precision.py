@@ -78,11 +78,11 @@ def resolve_dtype(asked: str, device: str | torch.device, key: str) -> DtypeChoi
     return DtypeChoice(key, asked, "bf16" if native else "fp32", why)
 
 
-def resolve_decode_dtype(asked: str, device: str | torch.device, serving: bool = False) -> DtypeChoice:
-    """eval.dtype: 'auto' is bf16 on a GPU with native bf16 and on a CPU with AMX, else fp32; on a CPU
-    whose run also serves batches (`serving`: eval.serving_batches), fp32, and bf16 is refused there: the
-    batched runner does not keep bf16 rows apart as the batch-1 runner does (decode/runners/lean.py), so
-    its greedy rows would part from batch-1 decoding at near ties.
+def resolve_decode_dtype(asked: str, device: str | torch.device) -> DtypeChoice:
+    """eval.dtype: 'auto' is bf16 on a GPU with native bf16 and on a CPU with AMX, else fp32. On a CPU in bf16
+    both the batch-1 runner and the serving table's batched one give every row the bits a one-token forward
+    gives it (decode/runners/lean.py, decode/runners/ragged.py), so speculative output equals bf16
+    target-only output token for token at every batch size.
 
     Batch-1 decoding feeds its GEMMs 1-65 rows. On a 2-core AMX Xeon, bf16 on oneDNN's packed weights ran
     them faster than fp32 at every count (one SmolLM2-135M forward's matmuls 7.7 vs 14.1 ms at 1 row, 11.5
@@ -90,13 +90,6 @@ def resolve_decode_dtype(asked: str, device: str | torch.device, serving: bool =
     F.linear in bf16 had been 2.3x slower than fp32 at 1 row. Without AMX (avx512_bf16 alone, or AVX2)
     this was not measured faster, so those CPUs keep fp32."""
     device = torch.device(device)
-    if serving and device.type == "cpu":
-        if asked == "bf16":
-            raise ValueError("eval.dtype=bf16 with eval.serving_batches on a CPU: the batched runner does not keep "
-                             "bf16 rows apart, so its greedy rows would not equal batch-1 decoding; use "
-                             "eval.dtype=auto or fp32 for the serving table")
-        return DtypeChoice("eval.dtype", asked, "fp32", "a CPU run with a serving table: batched rows equal "
-                                                        "batch-1 decoding token for token in fp32")
     if asked != "auto" or device.type == "cuda":
         return resolve_dtype(asked, device, "eval.dtype")
     if "amx_bf16" in cpu_flags():

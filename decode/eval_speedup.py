@@ -126,7 +126,7 @@ def setup(cfg: Config) -> Setup:
     ev = cfg.eval
     device = resolve_device(cfg.device)
     try:
-        precision = resolve_decode_dtype(ev.dtype, device, serving=bool(ev.serving_batches))
+        precision = resolve_decode_dtype(ev.dtype, device)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     print(precision.line, file=sys.stderr)

@@ -5,10 +5,11 @@ row after a cached prefix of --prefix tokens per row (the block is rolled back a
 cache does not grow), and r(b, L) = that time ÷ the time of L = 1 at the same b: what verifying L - 1
 drafted tokens per row costs in target steps at that batch size. Layouts (decode/runners/projection.py):
 "linear" (F.linear for every row count), "packed" (oneDNN), "mm", and "tuned" (each row count's layout
-timed fastest when the runner is built, what RaggedRunner uses). Layouts and lengths are interleaved within
-each repeat, so a drift in the machine's speed falls on all alike.
+timed fastest when the runner is built, what RaggedRunner uses). `--bf16` adds the target in bf16 ("bf16":
+its one layout, every row getting the bits of a one-token batch-1 forward). Layouts and lengths are
+interleaved within each repeat, so a drift in the machine's speed falls on all alike.
 
-    python scripts/bench_ragged_verify.py --batches 1 4 16 --lengths 1 2 3 4 --repeats 7
+    python scripts/bench_ragged_verify.py --batches 1 4 16 --lengths 1 2 3 4 --repeats 7 [--bf16]
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from common.models import EMBEDDED, load_model
 from decode.runners import projection
 from decode.runners.ragged import RaggedRunner
 
+
 VOCAB = 49152  # the embedded target's vocabulary
 
 
@@ -32,6 +34,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--lengths", type=int, nargs="+", default=[1, 2, 3, 4])
     parser.add_argument("--layouts", nargs="+", default=["linear", "packed", "mm", "tuned"],
                         choices=["linear", "packed", "mm", "tuned"])
+    parser.add_argument("--bf16", action="store_true", help="also time the target in bf16")
     parser.add_argument("--prefix", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
@@ -64,6 +67,8 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     model = load_model(EMBEDDED)
     runners = {layout: build(model, layout) for layout in args.layouts}
+    if args.bf16:
+        runners["bf16"] = RaggedRunner(load_model(EMBEDDED).to(torch.bfloat16), VOCAB)
     gen = torch.Generator().manual_seed(0)
     for b in args.batches:
         prompts = torch.randint(0, VOCAB, (b, args.prefix), generator=gen).tolist()

@@ -113,24 +113,70 @@ def test_each_row_accepts_what_batch1_speculative_decoding_accepts(pair):
     assert sum(o.stats.accepted for o in outcomes) > 0
 
 
-def test_a_full_cache_is_compacted_instead_of_grown(pair, monkeypatch):
-    """8-slot chunks: every few rounds the rejected guesses' slots are squeezed out; outputs do not change."""
+def test_rolled_back_slots_are_reused_instead_of_grown(pair, monkeypatch):
+    """8-slot chunks: each row's text sits at its positions, so rejected guesses' slots are written again
+    and the cache holds only the longest row's text and a block of guesses; outputs do not change."""
     monkeypatch.setattr("decode.runners.ragged.CACHE_CHUNK", 8)
     target, draft = pair
     target_runner, draft_runner = RaggedRunner(target, 16), RaggedRunner(draft, 16)
-    compactions = []
-    original = type(target_runner.cache).compact
-    monkeypatch.setattr(type(target_runner.cache), "compact", lambda self: compactions.append(1) or original(self))
     outcomes = serve(target_runner, draft_runner, PROMPTS, batch_size=2, k=3, max_new_tokens=16,
                      sampling=SamplingParams())
     lean = make_runner(target, 16, "lean")
     for prompt, outcome in zip(PROMPTS, outcomes):
         assert outcome.tokens == target_decode(lean, torch.tensor([prompt]), max_new_tokens=16,
                                                sampling=SamplingParams()).tolist()
-    assert len(compactions) > 3
-    # The texts of 2 rows (prompt + 16 tokens + a block of guesses) fit in 32 slots; without compaction
-    # the 5 requests would have used well over 100.
-    assert target_runner.cache.valid.shape[1] <= 32
+    # The longest text (a 7-token prompt + 16 tokens) and a block of 4 fit in 32 slots; 5 requests of ~20
+    # tokens each, written one after another, would have used well over 100.
+    assert target_runner.cache.capacity <= 32
+
+
+def test_bf16_rows_get_the_bits_of_one_token_batch1_forwards():
+    """In bf16 on a CPU every query of a ragged forward (rows of different lengths, blocks of guesses, a row
+    joining later, more rows than a matmul block) gets bit for bit the logits the batch-1 runner's one-token
+    forward gives it: batched greedy output equals bf16 batch-1 target-only output token for token."""
+    # Width 256 (head_dim 64): at the tiny models' width every summation order happens to give the same bits.
+    model = small_llama(vocab_size=1000, hidden=256, layers=2, init_std=0.02).to(torch.bfloat16)
+    ragged, lean = RaggedRunner(model, 1000), make_runner(model, 1000, "lean")
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (70, 3, 130, 1, 60, 64, 9, 33)]
+    block, counts = torch.randint(0, 1000, (8, 5), generator=gen), [5, 5, 5, 1, 5, 3, 5, 5]
+
+    def one_token_logits(text: list[int]) -> torch.Tensor:
+        lean.reset()
+        return torch.cat([lean.forward(torch.tensor([t]), 1) for t in text])
+
+    ragged.add(prompts)
+    out = ragged.forward(block, torch.tensor(counts))
+    texts = [p + block[row, :n].tolist() for row, (p, n) in enumerate(zip(prompts, counts))]
+    for row, (text, n) in enumerate(zip(texts, counts)):
+        assert torch.equal(out[row, :n], one_token_logits(text)[-n:]), row
+    kept = [text[: len(text) - 2] if len(text) > 3 else text for text in texts]  # guesses rejected
+    ragged.truncate(torch.tensor([len(t) for t in kept]))
+    ragged.add([prompts[0][:40]])  # a row joining later
+    out = ragged.forward(torch.full((9, 2), 7), torch.full((9,), 2))
+    for row, text in enumerate(kept + [prompts[0][:40]]):
+        assert torch.equal(out[row], one_token_logits(text + [7, 7])[-2:]), row
+
+
+def test_bf16_queries_attend_alone_where_one_call_differs(monkeypatch):
+    """Where the build-time checks find other bits, queries attend alone: padded as the batch-1 runner pads
+    them, or its exact keys where that runner's own check fails, and each row still matches it bit for bit."""
+    import decode.runners.lean as lean_module
+    import decode.runners.ragged as ragged_module
+
+    model = small_llama(vocab_size=1000, hidden=256, layers=2, init_std=0.02).to(torch.bfloat16)
+    monkeypatch.setattr(ragged_module, "ragged_attention_matches_alone", lambda core: False)
+    for lean_pads, alone in [(True, "padded"), (False, "exact")]:
+        monkeypatch.setattr(ragged_module, "padded_attention_is_row_invariant", lambda cache: lean_pads)
+        monkeypatch.setattr(lean_module, "padded_attention_is_row_invariant", lambda cache: lean_pads)
+        ragged, lean = RaggedRunner(model, 1000), make_runner(model, 1000, "lean")
+        assert ragged.alone == alone
+        ragged.add([[1, 2, 3], [4] * 70])
+        out = ragged.forward(torch.tensor([[5, 6], [7, 8]]), torch.tensor([2, 2]))
+        for row, text in enumerate([[1, 2, 3, 5, 6], [4] * 70 + [7, 8]]):
+            lean.reset()
+            alone_logits = torch.cat([lean.forward(torch.tensor([t]), 1) for t in text])
+            assert torch.equal(out[row], alone_logits[-2:]), (alone, row)
 
 
 @pytest.mark.parametrize("extra_per_guess, drafts", [(0.01, True), (2.0, False)])

@@ -73,16 +73,6 @@ def test_batch_1_decoding_is_bf16_only_on_a_cpu_with_amx(cpu):
     assert resolve_decode_dtype("fp32", "cpu").name == "fp32"
 
 
-def test_a_serving_table_on_a_cpu_decodes_in_fp32(cpu):
-    """The batched runner does not keep bf16 rows apart: with a serving table auto is fp32 even with AMX,
-    and bf16 asked for is refused before any model loads."""
-    timed = cpu(AMX, 3.6)
-    choice = resolve_decode_dtype("auto", "cpu", serving=True)
-    assert choice.name == "fp32" and "serving" in choice.reason and not timed
-    with pytest.raises(ValueError, match="eval.dtype=bf16 with eval.serving_batches on a CPU"):
-        resolve_decode_dtype("bf16", "cpu", serving=True)
-
-
 @pytest.mark.parametrize("flags, isa", [(AMX, "AVX-512 BF16 + AMX"), (frozenset({"avx2", "avx512f"}), "AVX-512"),
                                         (AVX2, "AVX2")])
 def test_figures_name_the_cpu_class(monkeypatch, flags, isa):
