@@ -56,7 +56,8 @@ class EvalConfig:
     size and depth the measured cost model predicts fastest). Empty: chains only."""
     serving_batches: list[int] = field(default_factory=list)
     """Batch sizes of the serving table (decode/serving.py): target-only and each draft measured (standalone,
-    feature) at each k of eval.ks, with continuous batching, on the first prompt set's prompts; [] = none."""
+    standalone behind prompt lookup when lookup_ngram > 0, feature) at each k of eval.ks, with continuous
+    batching, on the first prompt set's prompts; [] = none."""
     serving_requests: int = 0
     """Requests decoded per batch size (the prompts repeated): at least twice the batch size."""
     serving_p_min: float = 0.0

@@ -5,11 +5,13 @@
 
 Up to `batch_size` requests decode together on two RaggedRunners (decode/runners/ragged.py). Each
 round every live row drafts up to k tokens (one batched draft forward per position; a row stops early
-where the draft's most probable token has less than `p_min`), one batched target forward verifies every
-row's [last committed, drafted...], and each row keeps what the acceptance rule of decode/speculative.py
-accepts for it, drawing from its own generator, so a row's output does not depend on its neighbours.
-Rows that finish (EOS or max_new_tokens) leave; queued requests join. `draft_runner=None` is target-only
-decoding at the same batch size: the baseline a serving speedup is measured against.
+where the draft's most probable token has less than `p_min`; with lookup_ngram > 0 a row first takes the
+free guesses of prompt lookup, decode/lookup.py, and the draft reads them on its next forward), one
+batched target forward verifies every row's [last committed, drafted...], and each row keeps what the
+acceptance rule of decode/speculative.py accepts for it, drawing from its own generator, so a row's output
+does not depend on its neighbours. Rows that finish (EOS or max_new_tokens) leave; queued requests join.
+`draft_runner=None` is target-only decoding at the same batch size: the baseline a serving speedup is
+measured against.
 
 adaptive=True makes k a maximum: each round drafts the k (0..k, 0: none) of the most expected tokens
 per second, from the acceptance so far at each depth and the wall time of the rounds run with that k,
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.sampling import SamplingParams, sample
+from decode.proposers import LookupProposer, check_lookup_ngram
 from decode.runners.ragged import RaggedRunner
 from decode.speculative import cut_at_eos, eos_set, verify_block, verify_greedy
 from decode.stats import SpeculativeStats
@@ -53,6 +56,7 @@ class _Row:
     stats: SpeculativeStats
     started: float
     pending: list[int] = field(default_factory=list)
+    lookup: LookupProposer | None = None
 
     @property
     def produced(self) -> int:
@@ -71,11 +75,16 @@ def check_serving(batch_size: int, k: int, p_min: float) -> None:
 def serve(target: RaggedRunner, draft: RaggedRunner | None, prompts: list[list[int]], *, batch_size: int, k: int,
           max_new_tokens: int, sampling: SamplingParams, eos_token_id: int | list[int] | None = None,
           generators: list[torch.Generator | None] | None = None, p_min: float = 0.0,
-          adaptive: bool | AdaptiveK = False) -> list[RowOutcome]:
+          adaptive: bool | AdaptiveK = False, lookup_ngram: int = 0) -> list[RowOutcome]:
     """Decode every prompt, `batch_size` at a time; outcomes in prompt order. adaptive: True, or an
     AdaptiveK(k) to keep across calls (what it measured carries over, as in a server that keeps running);
-    its rounds' p_min replaces `p_min`."""
+    its rounds' p_min replaces `p_min`. lookup_ngram > 0 (at least 2): prompt lookup over n-grams of up to
+    that many tokens proposes first, the draft where it finds nothing (a draft that reads its guesses one at
+    a time, the feature draft, cannot follow looked-up text: standalone drafts only)."""
     check_serving(batch_size, k if draft is not None else 0, p_min)
+    check_lookup_ngram(lookup_ngram)
+    if lookup_ngram and not getattr(draft, "follows_lookup", True):
+        raise ValueError(f"{type(draft).__name__} reads its guesses one at a time: it cannot follow prompt lookup")
     eos = eos_set(eos_token_id)
     generators = generators or [None] * len(prompts)
     target.reset()
@@ -90,7 +99,7 @@ def serve(target: RaggedRunner, draft: RaggedRunner | None, prompts: list[list[i
     while queue or live:
         joining = [queue.pop(0) for _ in range(min(batch_size - len(live), len(queue)))]
         if joining:
-            live += _join(target, draft, prompts, joining, generators, max(k, 1))
+            live += _join(target, draft, prompts, joining, generators, max(k, 1), lookup_ngram)
         arm = chooser.choose() if chooser is not None else None
         round_k, round_p_min = chooser.arms[arm] if chooser is not None else (k, p_min)
         started = time.perf_counter()
@@ -117,15 +126,19 @@ def serve(target: RaggedRunner, draft: RaggedRunner | None, prompts: list[list[i
 
 
 def _join(target: RaggedRunner, draft: RaggedRunner | None, prompts: list[list[int]], joining: list[int],
-          generators: list, k: int) -> list[_Row]:
+          generators: list, k: int, lookup_ngram: int) -> list[_Row]:
     """New rows: each runner reads the prompt but its last token (the first round feeds that one)."""
     texts = [list(prompts[i][:-1]) for i in joining]
     target.add(texts)
     if draft is not None:
         draft.add(texts)
     now = time.perf_counter()
-    return [_Row(i, list(prompts[i]), len(prompts[i]), generators[i], SpeculativeStats(k=k), now,
+    rows = [_Row(i, list(prompts[i]), len(prompts[i]), generators[i], SpeculativeStats(k=k), now,
                  pending=[prompts[i][-1]]) for i in joining]
+    for row in rows if lookup_ngram and draft is not None else ():
+        row.lookup = LookupProposer(lookup_ngram)
+        row.lookup.reset(row.committed)
+    return rows
 
 
 def _target_round(target: RaggedRunner, live: list[_Row], sampling: SamplingParams) -> None:
@@ -143,7 +156,7 @@ def _speculative_round(target: RaggedRunner, draft: RaggedRunner, live: list[_Ro
     """One draft-and-verify block for every live row; returns each row's (guesses, accepted guesses)."""
     blocks = []
     limits = [max(0, min(k, max_new_tokens - row.produced - 1)) for row in live]
-    drafted, draft_probs = _draft(draft, live, limits, sampling, p_min)
+    drafted, draft_probs, looked_up, forwards = _draft(draft, live, limits, sampling, p_min)
     width = 1 + max(map(len, drafted))
     tokens = torch.zeros(len(live), width, dtype=torch.long)
     for i, (row, guess) in enumerate(zip(live, drafted)):
@@ -161,7 +174,8 @@ def _speculative_round(target: RaggedRunner, draft: RaggedRunner, live: list[_Ro
         before = len(row.committed)
         row.committed += emitted
         row.stats.record_block(proposed=len(guess), tried=min(len(guess), accepted + 1), accepted=accepted,
-                               emitted=len(emitted), draft_forwards=len(guess))
+                               emitted=len(emitted), draft_forwards=forwards[i], looked_up=sum(looked_up[i]),
+                               looked_up_accepted=sum(looked_up[i][:accepted]))
         blocks.append((len(guess), accepted))
         keep_target.append(len(row.committed) - 1)
         keep_draft.append(min(held[i], before + accepted))  # the draft read committed text, then the guesses
@@ -172,21 +186,34 @@ def _speculative_round(target: RaggedRunner, draft: RaggedRunner, live: list[_Ro
     return blocks
 
 
-def _draft(draft: RaggedRunner, live: list[_Row], limits: list[int], sampling: SamplingParams,
-           p_min: float) -> tuple[list[list[int]], list[list[torch.Tensor | None]]]:
-    """Up to limits[i] tokens per row, one batched draft forward per position: every row first reads its
-    pending tokens, then its own last guess."""
+def _draft(draft: RaggedRunner, live: list[_Row], limits: list[int], sampling: SamplingParams, p_min: float
+           ) -> tuple[list[list[int]], list[list[torch.Tensor | None]], list[list[bool]], list[int]]:
+    """Up to limits[i] tokens per row, one batched draft forward per position the rows' lookups cannot fill:
+    every row first reads the tokens it has not read (pending, then looked-up guesses), then its own last guess.
+    Returns each row's guesses, their draft probabilities (None: looked up, probability 1), which were looked
+    up, and the draft forwards the row took part in."""
     drafted: list[list[int]] = [[] for _ in live]
     draft_probs: list[list[torch.Tensor | None]] = [[] for _ in live]
+    looked_up: list[list[bool]] = [[] for _ in live]
+    forwards = [0] * len(live)
     active = [limit > 0 for limit in limits]
-    feed = [row.pending for row in live]
-    while any(active):
-        width = max(len(f) for f, on in zip(feed, active) if on)
+    unread = [list(row.pending) for row in live]
+    while True:
+        for i, row in enumerate(live):  # free guesses first: a looked-up token needs no forward
+            while active[i] and (token := _looked_up(row, drafted[i])) is not None:
+                drafted[i].append(token)
+                draft_probs[i].append(None)
+                looked_up[i].append(True)
+                unread[i].append(token)
+                active[i] = len(drafted[i]) < limits[i]
+        if not any(active):
+            return drafted, draft_probs, looked_up, forwards
+        width = max(len(u) for u, on in zip(unread, active) if on)
         tokens = torch.zeros(len(live), width, dtype=torch.long)
-        counts = torch.tensor([len(f) if on else 0 for f, on in zip(feed, active)])
-        for i, (f, on) in enumerate(zip(feed, active)):
+        counts = torch.tensor([len(u) if on else 0 for u, on in zip(unread, active)])
+        for i, (u, on) in enumerate(zip(unread, active)):
             if on:
-                tokens[i, : len(f)] = torch.tensor(f)
+                tokens[i, : len(u)] = torch.tensor(u)
         logits = draft.forward(tokens, counts)
         last = logits[torch.arange(len(live)), (counts - 1).clamp(min=0)]  # [B, V]
         for i, row in enumerate(live):
@@ -200,10 +227,15 @@ def _draft(draft: RaggedRunner, live: list[_Row], limits: list[int], sampling: S
                 token, confidence = int(sample(probs, row.generator)), float(probs.max())
             drafted[i].append(token)
             draft_probs[i].append(probs)
+            looked_up[i].append(False)
+            unread[i] = [token]
+            forwards[i] += 1
             # A row stops after a guess its draft gave less than p_min (llama.cpp's p-min), or at its limit.
             active[i] = len(drafted[i]) < limits[i] and confidence >= p_min
-        feed = [[guess[-1]] if guess else [] for guess in drafted]
-    return drafted, draft_probs
+
+
+def _looked_up(row: _Row, drafted: list[int]) -> int | None:
+    return row.lookup.guess(row.committed, drafted) if row.lookup is not None else None
 
 
 class AdaptiveK:

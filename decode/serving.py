@@ -3,8 +3,9 @@
 For each batch size of eval.serving_batches and each temperature: the first prompt set's prompts, repeated
 to make eval.serving_requests requests (at least twice the batch), decoded with continuous batching by
 target-only decoding, by each draft measured (the standalone draft, "draft", and the feature draft,
-"feature", decode/drafts/feature/ragged.py) at each k of eval.ks (also with eval.serving_p_min when
-set) and with k chosen per round ("... auto"), the methods taking turns on groups
+"feature", decode/drafts/feature/ragged.py; with eval.lookup_ngram > 0 also the standalone draft behind prompt
+lookup, "draft+lookup") at each k of eval.ks (also with eval.serving_p_min when set) and with k chosen per
+round ("... auto"), the methods taking turns on groups
 of requests (SERVING_GROUPS). Each row: tokens/s over all requests, speedup over target-only at the same
 batch size, τ, the mean time from a request joining to its last token, and
 whether every greedy row equals batch-1 target-only decoding.
@@ -31,7 +32,7 @@ from decode.vocab import model_vocab_size
 
 def serving_methods(ks: list[int], p_min: float, kinds: list[str]) -> list[tuple[str, str | None, int, float, bool]]:
     """(name, draft kind, k, p_min, adaptive) of every row measured at a batch size: target-only first, then per
-    draft kind ("draft", "feature") each k and "<kind> auto" (k chosen per round up to the largest k,
+    draft kind ("draft", "draft+lookup", "feature") each k and "<kind> auto" (k chosen per round up to the largest k,
     decode/batched_speculative.py)."""
     methods: list[tuple[str, str | None, int, float, bool]] = [("target-only", None, 0, 0.0, False)]
     for kind in kinds:
@@ -60,12 +61,15 @@ def request_groups(n_requests: int, batch: int) -> list[range]:
 
 def serving_runners(s) -> dict[str | None, tuple[RaggedRunner, object | None]]:
     """(target runner, draft runner) by draft kind (None: target-only) for `s` (decode.eval_speedup.Setup). The feature
-    draft verifies on a target runner of its own, which keeps the hidden states it reads."""
+    draft verifies on a target runner of its own, which keeps the hidden states it reads. "draft+lookup" shares
+    the standalone draft's runners (the feature draft cannot follow looked-up text, batched_speculative.serve)."""
     vocab = model_vocab_size(s.target)
     target = RaggedRunner(s.target, vocab)
     out: dict[str | None, tuple[RaggedRunner, object | None]] = {None: (target, None)}
     if s.draft is not None:
         out["draft"] = (target, RaggedRunner(s.draft, vocab))
+        if s.cfg.eval.lookup_ngram:
+            out["draft+lookup"] = out["draft"]
     if s.feature is not None:
         feature_target = RaggedRunner(s.target, vocab, hidden_layers=s.feature.config.target_layers)
         out["feature"] = (feature_target, RaggedFeatureDrafter(feature_target, s.feature,
@@ -89,8 +93,9 @@ def measure_serving(s, greedy_tokens: dict[tuple[str, str], list[int]]) -> list[
             for g, group in enumerate(request_groups(len(requests), batch)):
                 for i in [*range(g % len(methods), len(methods)), *range(g % len(methods))]:
                     _, kind, k, p_min, _ = methods[i]
+                    lookup_ngram = ev.lookup_ngram if kind and kind.endswith("+lookup") else 0
                     runs[i].append(_timed_serve(s, *runners[kind], requests, group, batch, k, p_min, choosers[i],
-                                                sampling))
+                                                sampling, lookup_ngram))
             baseline = None
             for (name, _, k, p_min, _), method_runs in zip(methods, runs):
                 row = _merged(method_runs)
@@ -126,14 +131,14 @@ def check_serving_memory(ev, prompt_lengths: list[int], models: list[torch.nn.Mo
 
 
 def _timed_serve(s, target: RaggedRunner, draft, requests: list, group: range, batch: int,
-                 k: int, p_min: float, adaptive: bool | AdaptiveK, sampling: SamplingParams) -> dict:
+                 k: int, p_min: float, adaptive: bool | AdaptiveK, sampling: SamplingParams, lookup_ngram: int) -> dict:
     ev = s.cfg.eval
     # Request i's generator depends on the request, so each method samples every request alike.
     generators = [torch.Generator().manual_seed(_seed(s.cfg.seed, requests[i].prompt_id, i)) for i in group]
     start = time.perf_counter()
     outcomes = serve(target, draft, [list(requests[i].token_ids) for i in group], batch_size=batch, k=k,
                      max_new_tokens=ev.max_new_tokens, sampling=sampling, eos_token_id=s.tokenizer.eos_token_id,
-                     generators=generators, p_min=p_min, adaptive=adaptive)
+                     generators=generators, p_min=p_min, adaptive=adaptive, lookup_ngram=lookup_ngram)
     return {"seconds": time.perf_counter() - start, "outcomes": outcomes}
 
 

@@ -1,6 +1,7 @@
 """The feature draft at batch > 1 (decode/drafts/feature/ragged.py) in batched speculative decoding: every row
 proposes and accepts what the batch-1 feature proposer does, greedy rows equal target-only decoding, sampled
-rows follow the target (χ²), and a target runner without the draft's layers is refused."""
+rows follow the target (χ²), and a target runner without the draft's layers, or prompt lookup in front of the
+draft, is refused."""
 
 from collections import Counter
 
@@ -81,3 +82,12 @@ def test_a_target_runner_without_the_draft_layers_is_refused(target):
     draft = random_feature_draft(target, target_layers=(0, 1))
     with pytest.raises(ValueError, match=r"keeps the hidden states of layers \[1\], the feature draft reads layers"):
         RaggedFeatureDrafter(RaggedRunner(target, 16, hidden_layers=(1,)), draft, target.get_input_embeddings().weight)
+
+
+def test_prompt_lookup_in_front_of_a_feature_draft_is_refused_before_decoding(target, monkeypatch):
+    """It reads guesses one at a time past the verified text, so it could not read a run of looked-up ones."""
+    target_runner, drafter = runners(target, random_feature_draft(target, SUBSET_IDS))
+    monkeypatch.setattr(target_runner, "add", lambda texts: pytest.fail("a row was read"))
+    with pytest.raises(ValueError, match="RaggedFeatureDrafter reads its guesses one at a time"):
+        serve(target_runner, drafter, PROMPTS, batch_size=2, k=2, max_new_tokens=4, sampling=SamplingParams(),
+              lookup_ngram=2)

@@ -11,6 +11,7 @@ from common.sampling import SamplingParams
 from decode.api import build_runners
 from decode.batched_speculative import AdaptiveK, serve
 from decode.drafts.standalone.proposer import DraftProposer
+from decode.proposers import LookupProposer, make_proposer
 from decode.runners import make_runner
 from decode.runners.ragged import RaggedRunner
 from decode.speculative import speculative_decode, target_decode
@@ -90,7 +91,8 @@ def test_each_sampled_row_follows_the_target(pair, warp):
 
 @pytest.mark.parametrize("kwargs, says", [(dict(batch_size=0), "batch size must be an int >= 1"),
                                            (dict(k=-1), "k must be an int >= 0"),
-                                           (dict(p_min=1.0), r"p_min must lie in \[0, 1\)")])
+                                           (dict(p_min=1.0), r"p_min must lie in \[0, 1\)"),
+                                           (dict(lookup_ngram=1), r"lookup_ngram must be 0 \(off\) or >= 2")])
 def test_bad_serving_arguments_are_refused(pair, kwargs, says):
     target, draft = pair
     args = dict(batch_size=2, k=2, max_new_tokens=4, sampling=SamplingParams()) | kwargs
@@ -111,6 +113,54 @@ def test_each_row_accepts_what_batch1_speculative_decoding_accepts(pair):
         assert outcome.tokens == single.tokens.tolist()
         assert outcome.stats.accept_length_hist == single.stats.accept_length_hist
     assert sum(o.stats.accepted for o in outcomes) > 0
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.7)])
+@pytest.mark.parametrize("first_guess_only", [False, True])
+def test_rows_behind_prompt_lookup_propose_and_accept_what_batch1_lookup_does(pair, sampling, first_guess_only,
+                                                                              monkeypatch):
+    """Lookup first, the draft where it finds nothing: every row's guesses, acceptances and draft forwards are the
+    batch-1 LookupThenDraft chain's (greedy; sampled with the same generator per row, the same draws)."""
+    target, draft = pair
+    if first_guess_only:
+        # A lookup that guesses a block's first token only, so the draft guesses after reading a looked-up token
+        # (n-gram lookup rarely stops once it matched); a draft equal to the target is right only if it read it.
+        monkeypatch.setattr(LookupProposer, "guess",
+                            lambda self, committed, drafted: None if drafted else (3 * committed[-1] + 1) % 16)
+        draft = target
+    seeds = range(len(PROMPTS))
+    outcomes = serve(RaggedRunner(target, 16), RaggedRunner(draft, 16), PROMPTS, batch_size=3, k=3,
+                     max_new_tokens=16, sampling=sampling, lookup_ngram=2,
+                     generators=[torch.Generator().manual_seed(seed) for seed in seeds])
+    target_runner, draft_runner = build_runners(target, draft, "lean")
+    for prompt, outcome, seed in zip(PROMPTS, outcomes, seeds):
+        single = speculative_decode(target_runner, make_proposer(draft_runner, 2), torch.tensor([prompt]), k=3,
+                                    max_new_tokens=16, sampling=sampling,
+                                    generator=torch.Generator().manual_seed(seed))
+        assert outcome.tokens == single.tokens.tolist()
+        assert outcome.stats.accept_length_hist == single.stats.accept_length_hist
+        assert (outcome.stats.looked_up, outcome.stats.draft_forwards) == (single.stats.looked_up,
+                                                                             single.stats.draft_forwards)
+    looked_up = sum(o.stats.looked_up for o in outcomes)
+    assert looked_up > 0 and sum(o.stats.draft_forwards for o in outcomes) < sum(o.stats.proposed for o in outcomes)
+
+
+def test_a_sampled_row_behind_prompt_lookup_follows_the_target(pair):
+    """Two-sample χ² on 4-token continuations of row 1 of a batch of 3, a prompt whose tail occurred before (so
+    lookup proposes with probability 1 and the draft proposes where it finds nothing)."""
+    target, draft = pair
+    t_runner, d_runner = RaggedRunner(target, 16), RaggedRunner(draft, 16)
+    prompts, sampling = [PROMPTS[0], PROMPTS[3], PROMPTS[2]], SamplingParams(temperature=1.0)
+    gen = torch.Generator().manual_seed(2)
+    spec, looked_up = Counter(), 0
+    for _ in range(800):
+        generators = [torch.Generator().manual_seed(int(torch.randint(2**31, (), generator=gen))) for _ in range(3)]
+        outcomes = serve(t_runner, d_runner, prompts, batch_size=3, k=3, max_new_tokens=4, sampling=sampling,
+                         generators=generators, lookup_ngram=2)
+        spec[tuple(outcomes[1].tokens)] += 1
+        looked_up += outcomes[1].stats.looked_up
+    assert looked_up >= 800  # the first block's first guess is always looked up
+    assert two_sample_pvalue(spec, target_only(target, torch.tensor([prompts[1]]), 4, sampling, 800)) > 1e-4
 
 
 def test_rolled_back_slots_are_reused_instead_of_grown(pair, monkeypatch):

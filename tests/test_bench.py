@@ -174,10 +174,12 @@ def test_serving_table_at_several_batch_sizes(tmp_path, one_thread):
     report = main(["--config", "configs/tiny.yaml", "draft=tiny:draft", "eval.prompts=[gsm8k]", "eval.num_prompts=3",
                    "eval.ks=[2]", "eval.hf_baselines=false", "eval.warmup=0", "eval.max_new_tokens=8",
                    "eval.serving_batches=[1, 3]", "eval.serving_p_min=0.3", "eval.serving_requests=8",
-                   f"eval.out_dir={tmp_path}", "wandb.mode=disabled"])
+                   "eval.lookup_ngram=2", f"eval.out_dir={tmp_path}", "wandb.mode=disabled"])
     rows = report["serving"]["rows"]
+    methods = ("target-only", "draft", "draft p_min", "draft auto", "draft+lookup", "draft+lookup p_min",
+               "draft+lookup auto")
     assert {(r["batch"], r["temperature"], r["method"]) for r in rows} == {
-        (b, t, m) for b in (1, 3) for t in (0.0, 0.7) for m in ("target-only", "draft", "draft p_min", "draft auto")}
+        (b, t, m) for b in (1, 3) for t in (0.0, 0.7) for m in methods}
     for r in rows:
         # batch 1: 4 groups of 2 requests, the methods taking turns; batch 3: one group
         assert r["requests"] == 8 and r["tokens"] > 0 and r["mean_latency_s"] > 0

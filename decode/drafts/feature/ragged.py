@@ -44,6 +44,10 @@ class RaggedFeatureDrafter:
     over the target's full vocabulary (-inf outside the draft's head rows). `target_embeddings` [V, hidden]:
     the target's input embedding matrix."""
 
+    follows_lookup = False
+    """Past the verified text a row reads one guess per forward (its hidden state is the draft's output at the
+    guess before), so it cannot read a run of looked-up guesses at once (batched_speculative.serve)."""
+
     def __init__(self, target: RaggedRunner, draft: FeatureDraft, target_embeddings: torch.Tensor):
         if target.hidden_layers != tuple(draft.config.target_layers):
             raise ValueError(f"the target runner keeps the hidden states of layers {list(target.hidden_layers)}, the "
