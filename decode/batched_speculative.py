@@ -109,7 +109,7 @@ def serve(target: RaggedRunner, draft: RaggedRunner | None, prompts: list[list[i
         else:
             _target_round(target, live, sampling)
         if chooser is not None:
-            chooser.observe(arm, time.perf_counter() - started, blocks)
+            chooser.observe(arm, time.perf_counter() - started, blocks, rows=len(live))
         finished = [i for i, row in enumerate(live) if row.produced >= max_new_tokens
                     or cut_at_eos(row.committed[row.prompt_len:], eos)[1]]
         for i in finished:
@@ -252,7 +252,10 @@ class AdaptiveK:
     (an arm's first round is not timed: the first calls at a new shape allocate); after that each round
     runs the arm of the most expected tokens per second, and every EXPLORE_EVERY rounds a neighbour of it
     in `arms` (the one timed longer ago) instead, so the costs near the choice follow the machine and the
-    batch. A fixed-k round is worth the expected tokens per row, 1 + sum over j <= k of α_1 ... α_j, with
+    batch. Only rounds of the most rows seen are timed: a round's time grows with its rows, and the rounds
+    of a queue running dry (a few rows left) would price an arm by the rows it happened to meet (at batch
+    16 in bf16 on a 2-core AMX CPU, the median k = 0 round over all rounds took 25 ms, over 16-row rounds 38
+    ms, so k = 0 looked 1.5x as cheap as it is at full batch). A fixed-k round is worth the expected tokens per row, 1 + sum over j <= k of α_1 ... α_j, with
     α_j the acceptance of the guess at depth j once the j - 1 before it were accepted, counted per depth
     on fixed-k rounds: acceptance is not the same at every depth (the demo's draft at k = 4: 0.38 at depth
     1, 0.41-0.55 at depths 2-4), and one α pooled over depths misprices each k by the depths it does not
@@ -281,6 +284,7 @@ class AdaptiveK:
         self.runs = dict.fromkeys(range(len(self.arms)), 0)
         self.last_used = dict.fromkeys(range(len(self.arms)), 0)
         self.rounds = 0
+        self.full_rows = 0  # the most rows of a round timed
 
     def depth_acceptance(self, depth: int) -> float:
         prior_accepted, prior_tried = self.PRIOR
@@ -315,8 +319,9 @@ class AdaptiveK:
             return min(neighbours, key=self.last_used.get, default=best)
         return best
 
-    def observe(self, arm: int, seconds: float, blocks: list[tuple[int, int]]) -> None:
-        """One round of `arm` took `seconds`; `blocks`: each row's (guesses, accepted guesses)."""
+    def observe(self, arm: int, seconds: float, blocks: list[tuple[int, int]], rows: int | None = None) -> None:
+        """One round of `arm` with `rows` live rows (None: not counted) took `seconds`; `blocks`: each row's
+        (guesses, accepted guesses)."""
         if arm > self.k_max:
             self.emitted[arm][0] += sum(accepted + 1 for _, accepted in blocks)
             self.emitted[arm][1] += len(blocks)
@@ -326,5 +331,9 @@ class AdaptiveK:
                 self.accepted[depth] += depth <= accepted
         self.runs[arm] += 1
         self.last_used[arm] = self.rounds
-        if self.runs[arm] > 1:
+        if rows is not None and rows > self.full_rows:  # more rows than any round timed so far: time afresh
+            self.full_rows = rows
+            for times in self.timed.values():
+                times.clear()
+        if self.runs[arm] > 1 and (rows is None or rows == self.full_rows):
             self.timed[arm].append(seconds)

@@ -235,9 +235,9 @@ def test_adaptive_k_drafts_only_where_timed_rounds_say_it_pays(pair, monkeypatch
     draft = small_llama(seed=0, layers=2)  # the target itself: every guess accepted
     observe, choices = AdaptiveK.observe, []
 
-    def observe_synthetic_seconds(self, k, seconds, blocks):  # tiny rounds time as noise: a known cost instead
+    def observe_synthetic_seconds(self, k, seconds, blocks, rows):  # tiny rounds time as noise: a known cost instead
         choices.append(k)
-        observe(self, k, 1.0 + extra_per_guess * k, blocks)
+        observe(self, k, 1.0 + extra_per_guess * k, blocks, rows)
 
     monkeypatch.setattr(AdaptiveK, "observe", observe_synthetic_seconds)
     outcomes = serve(RaggedRunner(target, 16), RaggedRunner(draft, 16), PROMPTS, batch_size=3, k=3,
@@ -302,6 +302,21 @@ def test_adaptive_k_follows_the_acceptance_and_the_timed_rounds():
     best = max(set(explored), key=explored.count)
     assert best == 2  # 1.75 tokens in 1.4 s
     assert set(explored) - {best} <= {best - 1, best + 1} and len(set(explored)) >= 2  # neighbours explored
+
+
+def test_adaptive_k_times_only_rounds_of_the_most_rows():
+    """A queue running dry leaves a few rows whose rounds are cheap at any k: timing k = 0 on them would make
+    not drafting look faster than it is at the full batch."""
+    chooser = timed_chooser(1, {0: 1.0, 1: 1.2})  # not counted: timed as they come
+    half = [(1, 0), (1, 1)]  # α = 0.5: k = 1 emits 1.5 tokens per row
+    chooser.observe(1, 1.2, half * 8, rows=16)  # 16 rows: the timings of unknown row counts are dropped
+    assert list(chooser.timed[0]) == [] and list(chooser.timed[1]) == [1.2]
+    for seconds_at_16, seconds_at_2 in ((1.0, 0.3), (1.0, 0.3), (1.0, 0.3)):
+        chooser.observe(0, seconds_at_16, [(0, 0)] * 16, rows=16)
+        chooser.observe(0, seconds_at_2, [(0, 0)] * 2, rows=2)
+        chooser.observe(1, 1.2, half * 8, rows=16)
+    assert chooser.seconds(0) == 1.0 and chooser.full_rows == 16
+    assert chooser.choose() == 1  # 1.5 tokens in 1.2 s beat 1 in 1.0 s (the 2-row rounds' 0.3 s would say k = 0)
 
 
 def test_adaptive_k_counts_acceptance_per_depth():
