@@ -255,12 +255,13 @@ class AdaptiveK:
     batch. Only rounds of the most rows seen are timed: a round's time grows with its rows, and the rounds
     of a queue running dry (a few rows left) would price an arm by the rows it happened to meet (at batch
     16 in bf16 on a 2-core AMX CPU, the median k = 0 round over all rounds took 25 ms, over 16-row rounds 38
-    ms, so k = 0 looked 1.5x as cheap as it is at full batch). A fixed-k round is worth the expected tokens per row, 1 + sum over j <= k of α_1 ... α_j, with
-    α_j the acceptance of the guess at depth j once the j - 1 before it were accepted, counted per depth
-    on fixed-k rounds: acceptance is not the same at every depth (the demo's draft at k = 4: 0.38 at depth
-    1, 0.41-0.55 at depths 2-4), and one α pooled over depths misprices each k by the depths it does not
-    reach. A p_min round is worth the tokens its rows emitted per round so far (its guesses stop where the
-    draft is unsure, so its depths are not a fair sample of the per-depth acceptance)."""
+    ms, so k = 0 looked 1.5x as cheap as it is at full batch). A fixed-k round is worth the expected tokens
+    per row, 1 + sum over j <= k of α_1 ... α_j, with α_j the acceptance of the guess at depth j once the
+    j - 1 before it were accepted, counted per depth on fixed-k rounds: acceptance is not the same at every
+    depth (the demo's draft at k = 4: 0.38 at depth 1, 0.41-0.55 at depths 2-4), and one α pooled over
+    depths misprices each k by the depths it does not reach. A p_min round is worth the tokens its rows
+    emitted per round so far (its guesses stop where the draft is unsure, so its depths are not a fair
+    sample of the per-depth acceptance)."""
 
     PRIOR = (1, 2)
     """Acceptance before any block: 1 of 2 guesses, worth two guesses of evidence."""
