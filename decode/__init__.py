@@ -12,7 +12,7 @@ import importlib
 
 # Imported on first use (PEP 562): decode.api brings in transformers (~4 s on a 2-core CPU), which a config check
 # that reads decode.tree must not wait for.
-_EXPORTS = {"generate": "decode.api", "speculative_generate": "decode.api",
+_EXPORTS = {"generate": "decode.api", "speculative_generate": "decode.api", "speculative_generate_batch": "decode.api",
             "SpeculativeOutput": "decode.speculative", "SpeculativeStats": "decode.stats"}
 __all__ = list(_EXPORTS)
 

@@ -5,6 +5,7 @@ proposer, run the loops of decode/speculative.py.
     tokens = generate(target, input_ids, max_new_tokens=64, temperature=0.7, generator=g)
     out = speculative_generate(target, draft, input_ids, k=4, max_new_tokens=64, lookup_ngram=3)
     out = speculative_generate(target, FeatureDraft.load(folder), input_ids, k=4, max_new_tokens=64)
+    outcomes = speculative_generate_batch(target, draft, [ids_1, ids_2, ...], k=2, batch_size=4, max_new_tokens=64)
 """
 
 from __future__ import annotations
@@ -12,11 +13,14 @@ from __future__ import annotations
 import torch
 
 from common.sampling import SamplingParams
+from decode.batched_speculative import AdaptiveK, RowOutcome, check_cache_memory, check_serving, serve
 from decode.checks import check_int, prompt_ids
 from decode.drafts.feature.model import FeatureDraft, check_target
 from decode.drafts.feature.proposer import make_feature_proposer
+from decode.drafts.feature.ragged import RaggedFeatureDrafter
 from decode.proposers import check_lookup_ngram, make_proposer
 from decode.runners import Runner, make_runner
+from decode.runners.ragged import RaggedRunner
 from decode.speculative import SpeculativeOutput, speculative_decode, target_decode
 from decode.vocab import model_vocab_size
 
@@ -79,3 +83,67 @@ def speculative_generate(target: torch.nn.Module, draft: torch.nn.Module, input_
     return speculative_decode(target_runner, proposer, input_ids, k=k,
                               max_new_tokens=max_new_tokens, sampling=sampling, eos_token_id=eos_token_id,
                               generator=generator)
+
+
+def speculative_generate_batch(target: torch.nn.Module, draft: torch.nn.Module | None,
+                               prompts: list[list[int]] | list[torch.Tensor], *, k: int, batch_size: int,
+                               max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                               eos_token_id: int | list[int] | None = None,
+                               generators: list[torch.Generator | None] | None = None, p_min: float = 0.0,
+                               adaptive: bool = False, lookup_ngram: int = 0) -> list[RowOutcome]:
+    """Many prompts at once with continuous batching (decode/batched_speculative.py): up to `batch_size` rows
+    decode together, finished rows leave and waiting prompts join, and each row is lossless on its own, drawing
+    from generators[i] (one per prompt), so its output does not depend on its neighbours. `draft`: as in
+    speculative_generate, or None for target-only decoding at the same batch size. prompts: token id lists or
+    [1, L] LongTensors. Returns one RowOutcome (tokens, stats, seconds) per prompt, in prompt order.
+    p_min stops a row's drafting after a guess its draft gave less than that probability; adaptive=True
+    chooses k (0..k) per round from timed rounds; lookup_ngram as in speculative_generate (standalone drafts).
+    Bad arguments, prompts that do not fit the target's context and batches whose caches would not fit in
+    free memory are refused before any runner is built."""
+    sampling = SamplingParams(temperature, top_k, top_p)
+    vocab = model_vocab_size(target)
+    ids = _batch_prompt_ids(prompts, vocab)
+    check_int("max_new_tokens", max_new_tokens, 1)
+    check_serving(batch_size, k, p_min)
+    check_lookup_ngram(lookup_ngram)
+    if lookup_ngram and isinstance(draft, FeatureDraft):
+        raise ValueError("lookup_ngram needs a standalone draft: the feature draft reads its guesses one at a time")
+    if generators is not None and len(generators) != len(ids):
+        raise ValueError(f"generators: one per prompt, got {len(generators)} for {len(ids)} prompts")
+    _check_context(target, ids, max_new_tokens, k)
+    check_cache_memory(batch_size, max(map(len, ids)), max_new_tokens, k,
+                       [m for m in (target, draft) if m is not None and not isinstance(m, FeatureDraft)])
+    if draft is None:
+        target_runner, draft_runner = RaggedRunner(target, vocab), None
+    elif isinstance(draft, FeatureDraft):
+        check_target(draft.config, target.config, vocab)
+        target_runner = RaggedRunner(target, vocab, hidden_layers=draft.config.target_layers)
+        draft_runner = RaggedFeatureDrafter(target_runner, draft, target.get_input_embeddings().weight)
+    else:
+        target_runner, draft_runner = RaggedRunner(target, vocab), RaggedRunner(draft, vocab)
+    return serve(target_runner, draft_runner, ids, batch_size=batch_size, k=k, max_new_tokens=max_new_tokens,
+                 sampling=sampling, eos_token_id=eos_token_id, generators=generators, p_min=p_min,
+                 adaptive=AdaptiveK(k) if adaptive and draft is not None and k else False, lookup_ngram=lookup_ngram)
+
+
+def _batch_prompt_ids(prompts, vocab_size: int) -> list[list[int]]:
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a non-empty list of token id lists or [1, L] LongTensors")
+    ids = []
+    for i, prompt in enumerate(prompts):
+        tensor = prompt if isinstance(prompt, torch.Tensor) else torch.tensor([list(prompt)], dtype=torch.long)
+        try:
+            ids.append(prompt_ids(tensor, vocab_size))
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"prompts[{i}]: {error}") from None
+    return ids
+
+
+def _check_context(target: torch.nn.Module, ids: list[list[int]], max_new_tokens: int, k: int) -> None:
+    """A row holds its prompt, its new tokens and a block of k guesses: all within the target's positions."""
+    limit = getattr(target.config, "max_position_embeddings", None)
+    longest = max(range(len(ids)), key=lambda i: len(ids[i]))
+    needed = len(ids[longest]) + max_new_tokens + k
+    if limit is not None and needed > limit:
+        raise ValueError(f"prompts[{longest}] has {len(ids[longest])} tokens: with max_new_tokens={max_new_tokens} "
+                         f"and k={k} a row needs {needed} positions, the target has {limit}")

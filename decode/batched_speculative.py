@@ -24,6 +24,7 @@ prefix of committed + drafted text (`pending`: the committed tokens it has not r
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections import deque
@@ -70,6 +71,23 @@ def check_serving(batch_size: int, k: int, p_min: float) -> None:
         raise ValueError(f"k must be an int >= 0 (0: target-only), got {k!r}")
     if not 0 <= p_min < 1:
         raise ValueError(f"p_min must lie in [0, 1) (0: always draft k), got {p_min}")
+
+
+def check_cache_memory(batch_size: int, longest_prompt: int, max_new_tokens: int, k: int,
+                       models: list[torch.nn.Module]) -> None:
+    """Refuse a batch size whose caches would not fit in the memory free now, before any forward: each row
+    holds its text and a block of guesses in every layer's keys and values, twice over (growth headroom),
+    for the target and the draft (`models`)."""
+    slots = 2 * (longest_prompt + max_new_tokens + k + 1)
+    per_slot = sum(m.config.num_hidden_layers * 2 * m.config.num_key_value_heads
+                   * (getattr(m.config, "head_dim", None) or m.config.hidden_size // m.config.num_attention_heads)
+                   * next(m.parameters()).element_size() for m in models)
+    needed = batch_size * slots * per_slot
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if needed > free:
+        raise ValueError(f"batch {batch_size} needs ~{needed / 2**30:.1f} GiB of cache ({slots} slots x "
+                         f"{per_slot / 2**10:.0f} KiB per row), {free / 2**30:.1f} GiB is free; use a smaller "
+                         "batch size or fewer new tokens")
 
 
 def serve(target: RaggedRunner, draft: RaggedRunner | None, prompts: list[list[int]], *, batch_size: int, k: int,

@@ -14,7 +14,6 @@ whether every greedy row equals batch-1 target-only decoding.
 from __future__ import annotations
 
 import hashlib
-import os
 import statistics
 import sys
 import time
@@ -23,7 +22,7 @@ import torch
 
 from common.config import ConfigError
 from common.sampling import SamplingParams
-from decode.batched_speculative import AdaptiveK, serve
+from decode.batched_speculative import AdaptiveK, check_cache_memory, serve
 from decode.drafts.feature.ragged import RaggedFeatureDrafter
 from decode.runners.ragged import RaggedRunner
 from decode.stats import SpeculativeStats
@@ -112,22 +111,14 @@ def measure_serving(s, greedy_tokens: dict[tuple[str, str], list[int]]) -> list[
 
 
 def check_serving_memory(ev, prompt_lengths: list[int], models: list[torch.nn.Module]) -> None:
-    """Refuse batch sizes whose caches would not fit in the memory free now, before any timing: each row
-    holds its text and a block of guesses in every layer's keys and values, twice over (growth
-    headroom), for the target and the draft. ev: the eval config."""
+    """Refuse batch sizes whose caches would not fit in the memory free now, before any timing
+    (batched_speculative.check_cache_memory). ev: the eval config."""
     if not ev.serving_batches:
         return
-    slots = 2 * (max(prompt_lengths) + ev.max_new_tokens + max(ev.ks) + 1)
-    per_slot = sum(m.config.num_hidden_layers * 2 * m.config.num_key_value_heads
-                   * (getattr(m.config, "head_dim", None) or m.config.hidden_size // m.config.num_attention_heads)
-                   * next(m.parameters()).element_size() for m in models)
-    batch = max(ev.serving_batches)
-    needed = batch * slots * per_slot
-    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    if needed > free:
-        raise ConfigError(f"eval.serving_batches: batch {batch} needs ~{needed / 2**30:.1f} GiB of cache "
-                          f"({slots} slots x {per_slot / 2**10:.0f} KiB per row), {free / 2**30:.1f} GiB is free; "
-                          "use smaller batch sizes or fewer eval.max_new_tokens")
+    try:
+        check_cache_memory(max(ev.serving_batches), max(prompt_lengths), ev.max_new_tokens, max(ev.ks), models)
+    except ValueError as error:
+        raise ConfigError(f"eval.serving_batches: {error}") from None
 
 
 def _timed_serve(s, target: RaggedRunner, draft, requests: list, group: range, batch: int,

@@ -214,7 +214,7 @@ def test_request_groups_cover_every_request_once_in_order():
 
 
 def test_serving_refuses_a_batch_beyond_free_memory(tmp_path, monkeypatch):
-    monkeypatch.setattr("decode.serving.os.sysconf", lambda name: 1)  # one byte free
+    monkeypatch.setattr("decode.batched_speculative.os.sysconf", lambda name: 1)  # one byte free
     with pytest.raises(ConfigError, match=r"eval.serving_batches: batch 4 needs ~.* GiB of cache"):
         main(["--config", "configs/tiny.yaml", "draft=tiny:draft", "eval.prompts=[gsm8k]", "eval.serving_batches=[4]",
               f"eval.out_dir={tmp_path}", "wandb.mode=disabled"])
