@@ -360,6 +360,19 @@ def measure_prompt(s: Setup, set_name: str, prompt, temperature: float, runs: li
     return base.tolist()
 
 
+def keep_batch1_table(s: Setup, argv: list[str] | None, costs: dict[str, dict], results: list[dict],
+                      runs: list[dict], samples: list[dict], error: BaseException) -> None:
+    """Write the report of the batch-1 rows measured before `error` stopped the serving table or the HF
+    comparisons, saying so (the end-of-run cost check did not run, so its drift reason cannot show)."""
+    report = build_report(s, argv, costs, costs, results, [], runs)
+    report["serving"] = None
+    report["stopped"] = (f"the run stopped after the batch-1 table, during the serving table or the HF "
+                         f"comparisons ({type(error).__name__}: {error}); the rows below are complete, the "
+                         "end-of-run cost check did not run")
+    write_outputs(report, samples, s.out_dir)
+    print(f"eval-speedup: {report['stopped']}; the batch-1 report is in {s.out_dir}", file=sys.stderr)
+
+
 def run(cfg: Config, argv: list[str] | None) -> dict:
     """The whole stage on a checked config; `argv` goes into the report as the command."""
     cfg.check_model_refs("target")
@@ -370,8 +383,12 @@ def run(cfg: Config, argv: list[str] | None) -> dict:
     costs = warm_up_and_cost(s)
     runs, samples, greedy_tokens = measure(s)
     results = aggregate(runs, costs)
-    serving_rows = measure_serving(s, greedy_tokens) if cfg.eval.serving_batches else []
-    hf_rows = hf_comparisons(s, runs, greedy_tokens) if cfg.eval.hf_baselines else []
+    try:
+        serving_rows = measure_serving(s, greedy_tokens) if cfg.eval.serving_batches else []
+        hf_rows = hf_comparisons(s, runs, greedy_tokens) if cfg.eval.hf_baselines else []
+    except BaseException as error:  # a crash or Ctrl-C there keeps the batch-1 table, minutes of a CPU's time
+        keep_batch1_table(s, argv, costs, results, runs, samples, error)
+        raise
     # The same measurement after every timed run, on the same runners: a machine whose load changed
     # during the run shows as a different target step (one of the timing-reliability signals).
     costs_end = measure_costs(s)

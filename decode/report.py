@@ -68,6 +68,7 @@ def recipe_lines(report: dict) -> list[str]:
 
 def write_markdown(report: dict, path: Path) -> None:
     lines = [f"# Speculative decoding report: {report['config']['name']}", "",
+             *([f"**Stopped early:** {report['stopped']}.", ""] if report.get("stopped") else []),
              *reliability_lines(report["timing_reliability"]),
              f"- command: `{report['command']}`",
              f"- date: {report['date']} · device: {report['device']} · git {report['git_sha']}",

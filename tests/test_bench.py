@@ -213,6 +213,23 @@ def test_request_groups_cover_every_request_once_in_order():
     assert request_groups(8, 3) == [range(0, 8)]
 
 
+@pytest.mark.parametrize("stop", [RuntimeError("out of memory at batch 64"), KeyboardInterrupt()])
+def test_a_run_stopped_during_the_serving_table_keeps_the_batch1_table(tmp_path, monkeypatch, one_thread, stop):
+    def serving_stops(*args):
+        raise stop
+
+    monkeypatch.setattr("decode.eval_speedup.measure_serving", serving_stops)
+    with pytest.raises(type(stop)):
+        main(["--config", "configs/tiny.yaml", "draft=tiny:draft", "eval.prompts=[gsm8k]", "eval.num_prompts=2",
+              "eval.ks=[2]", "eval.temperatures=[0.0]", "eval.hf_baselines=false", "eval.warmup=0",
+              "eval.max_new_tokens=8", "eval.serving_batches=[4]", f"eval.out_dir={tmp_path}", "wandb.mode=disabled"])
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert [(r["proposer"], r["k"]) for r in report["results"]] == [("draft", 2)]
+    assert report["results"][0]["greedy_identical"] and report["serving"] is None
+    assert type(stop).__name__ in report["stopped"]
+    assert "**Stopped early:** the run stopped after the batch-1 table" in (tmp_path / "report.md").read_text()
+
+
 def test_serving_refuses_a_batch_beyond_free_memory(tmp_path, monkeypatch):
     monkeypatch.setattr("decode.batched_speculative.os.sysconf", lambda name: 1)  # one byte free
     with pytest.raises(ConfigError, match=r"eval.serving_batches: batch 4 needs ~.* GiB of cache"):
