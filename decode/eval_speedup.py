@@ -281,17 +281,16 @@ def measure_costs(s: Setup) -> dict[str, dict]:
     return costs
 
 
-def measure(s: Setup) -> tuple[list[dict], list[dict], dict[tuple[str, str], list[int]]]:
+def measure(s: Setup, runs: list[dict], samples: list[dict], greedy_tokens: dict[tuple[str, str], list[int]]) -> None:
     """For each temperature and prompt: target-only, then speculative for every (k, proposer), interleaved
-    on the same runners. Returns (runs, samples, target-only greedy tokens by (prompt set, prompt id))."""
+    on the same runners. Fills runs, samples and the target-only greedy tokens by (prompt set, prompt id) as
+    each prompt's runs finish, so a run stopped midway keeps them (keep_measured_rows)."""
     ev = s.cfg.eval
     n_prompts = sum(len(p) for p in s.prompt_sets.values())
     per_prompt = 1 + len(ev.ks) * len(s.proposers) + len(s.trees) * len(s.tree_proposers)
     progress = tqdm(total=n_prompts * len(ev.temperatures) * per_prompt,
                     desc="eval-speedup", dynamic_ncols=True, smoothing=0)
     start = time.perf_counter()
-    runs, samples = [], []
-    greedy_tokens: dict[tuple[str, str], list[int]] = {}  # target-only greedy output, for the HF checks
     for temperature in ev.temperatures:
         for set_name, prompts in s.prompt_sets.items():
             for prompt in prompts:
@@ -303,7 +302,6 @@ def measure(s: Setup) -> tuple[list[dict], list[dict], dict[tuple[str, str], lis
                 if temperature == 0:
                     greedy_tokens[(set_name, prompt.prompt_id)] = base
     progress.close()
-    return runs, samples, greedy_tokens
 
 
 def warm_prompt_shapes(s: Setup, input_ids: torch.Tensor) -> None:
@@ -360,17 +358,18 @@ def measure_prompt(s: Setup, set_name: str, prompt, temperature: float, runs: li
     return base.tolist()
 
 
-def keep_batch1_table(s: Setup, argv: list[str] | None, costs: dict[str, dict], results: list[dict],
-                      runs: list[dict], samples: list[dict], error: BaseException) -> None:
-    """Write the report of the batch-1 rows measured before `error` stopped the serving table or the HF
-    comparisons, saying so (the end-of-run cost check did not run, so its drift reason cannot show)."""
-    report = build_report(s, argv, costs, costs, results, [], runs)
+def keep_measured_rows(s: Setup, argv: list[str] | None, costs: dict[str, dict], runs: list[dict],
+                       samples: list[dict], error: BaseException) -> None:
+    """Write the report of the batch-1 runs measured before `error` stopped the run, saying so: each run carries
+    its own target-only baseline, so the rows hold the prompts measured (their counts show); the serving
+    table, the HF comparisons and the end-of-run cost check (its drift reason) are missing."""
+    report = build_report(s, argv, costs, costs, aggregate(runs, costs), [], runs)
     report["serving"] = None
-    report["stopped"] = (f"the run stopped after the batch-1 table, during the serving table or the HF "
-                         f"comparisons ({type(error).__name__}: {error}); the rows below are complete, the "
-                         "end-of-run cost check did not run")
+    report["stopped"] = (f"the run stopped ({type(error).__name__}: {error}) after {len(runs)} speculative runs; the "
+                         "rows below hold the prompts measured, the serving table, the HF comparisons and the "
+                         "end-of-run cost check are missing")
     write_outputs(report, samples, s.out_dir)
-    print(f"eval-speedup: {report['stopped']}; the batch-1 report is in {s.out_dir}", file=sys.stderr)
+    print(f"eval-speedup: {report['stopped']}; its report is in {s.out_dir}", file=sys.stderr)
 
 
 def run(cfg: Config, argv: list[str] | None) -> dict:
@@ -381,14 +380,16 @@ def run(cfg: Config, argv: list[str] | None) -> dict:
     tracker = start_wandb(cfg.wandb.mode, cfg.wandb.project, f"{cfg.name}-eval", s.out_dir,
                           config_to_dict(cfg), job_type="eval-speedup")
     costs = warm_up_and_cost(s)
-    runs, samples, greedy_tokens = measure(s)
-    results = aggregate(runs, costs)
+    runs, samples, greedy_tokens = [], [], {}
     try:
+        measure(s, runs, samples, greedy_tokens)
         serving_rows = measure_serving(s, greedy_tokens) if cfg.eval.serving_batches else []
         hf_rows = hf_comparisons(s, runs, greedy_tokens) if cfg.eval.hf_baselines else []
-    except BaseException as error:  # a crash or Ctrl-C there keeps the batch-1 table, minutes of a CPU's time
-        keep_batch1_table(s, argv, costs, results, runs, samples, error)
+    except BaseException as error:  # a crash or Ctrl-C keeps the runs measured, minutes of a CPU's time
+        if runs:
+            keep_measured_rows(s, argv, costs, runs, samples, error)
         raise
+    results = aggregate(runs, costs)
     # The same measurement after every timed run, on the same runners: a machine whose load changed
     # during the run shows as a different target step (one of the timing-reliability signals).
     costs_end = measure_costs(s)

@@ -213,21 +213,33 @@ def test_request_groups_cover_every_request_once_in_order():
     assert request_groups(8, 3) == [range(0, 8)]
 
 
-@pytest.mark.parametrize("stop", [RuntimeError("out of memory at batch 64"), KeyboardInterrupt()])
-def test_a_run_stopped_during_the_serving_table_keeps_the_batch1_table(tmp_path, monkeypatch, one_thread, stop):
+@pytest.mark.parametrize("stage, stop", [("serving", RuntimeError("out of memory at batch 64")),
+                                         ("serving", KeyboardInterrupt()), ("second prompt", KeyboardInterrupt())])
+def test_a_stopped_run_keeps_the_runs_it_measured(tmp_path, monkeypatch, one_thread, stage, stop):
+    """Stopped in the serving table, every batch-1 row is there; stopped in the batch-1 loop, the first prompt's."""
+    from decode import eval_speedup
+    measured = eval_speedup.measure_prompt
+
+    def stopping(*args, **kwargs):
+        if stage == "second prompt" and args[4]:  # runs (args[4]) already hold the first prompt's
+            raise stop
+        return measured(*args, **kwargs)
+
     def serving_stops(*args):
         raise stop
 
+    monkeypatch.setattr("decode.eval_speedup.measure_prompt", stopping)
     monkeypatch.setattr("decode.eval_speedup.measure_serving", serving_stops)
     with pytest.raises(type(stop)):
         main(["--config", "configs/tiny.yaml", "draft=tiny:draft", "eval.prompts=[gsm8k]", "eval.num_prompts=2",
               "eval.ks=[2]", "eval.temperatures=[0.0]", "eval.hf_baselines=false", "eval.warmup=0",
               "eval.max_new_tokens=8", "eval.serving_batches=[4]", f"eval.out_dir={tmp_path}", "wandb.mode=disabled"])
     report = json.loads((tmp_path / "report.json").read_text())
-    assert [(r["proposer"], r["k"]) for r in report["results"]] == [("draft", 2)]
+    prompts_measured = 1 if stage == "second prompt" else 2
+    assert [(r["proposer"], r["k"], r["n_prompts"]) for r in report["results"]] == [("draft", 2, prompts_measured)]
     assert report["results"][0]["greedy_identical"] and report["serving"] is None
     assert type(stop).__name__ in report["stopped"]
-    assert "**Stopped early:** the run stopped after the batch-1 table" in (tmp_path / "report.md").read_text()
+    assert "**Stopped early:** the run stopped" in (tmp_path / "report.md").read_text()
 
 
 def test_serving_refuses_a_batch_beyond_free_memory(tmp_path, monkeypatch):
