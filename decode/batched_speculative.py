@@ -114,6 +114,7 @@ def serve(target: RaggedRunner, draft: RaggedRunner | None, prompts: list[list[i
         chooser = adaptive if isinstance(adaptive, AdaptiveK) else AdaptiveK(k)
         if chooser.k_max != k:
             raise ValueError(f"the AdaptiveK given chooses k up to {chooser.k_max}, serve was asked for k={k}")
+        chooser.expect_rows(min(batch_size, len(prompts)))
     while queue or live:
         joining = [queue.pop(0) for _ in range(min(batch_size - len(live), len(queue)))]
         if joining:
@@ -338,6 +339,14 @@ class AdaptiveK:
             return min(neighbours, key=self.last_used.get, default=best)
         return best
 
+    def expect_rows(self, rows: int) -> None:
+        """Rounds of `rows` rows are the full batch from now on (serve: min(batch size, requests)); timings
+        of another row count are dropped, as they price every arm at that count."""
+        if rows != self.full_rows:
+            self.full_rows = rows
+            for times in self.timed.values():
+                times.clear()
+
     def observe(self, arm: int, seconds: float, blocks: list[tuple[int, int]], rows: int | None = None) -> None:
         """One round of `arm` with `rows` live rows (None: not counted) took `seconds`; `blocks`: each row's
         (guesses, accepted guesses)."""
@@ -351,8 +360,6 @@ class AdaptiveK:
         self.runs[arm] += 1
         self.last_used[arm] = self.rounds
         if rows is not None and rows > self.full_rows:  # more rows than any round timed so far: time afresh
-            self.full_rows = rows
-            for times in self.timed.values():
-                times.clear()
+            self.expect_rows(rows)
         if self.runs[arm] > 1 and (rows is None or rows == self.full_rows):
             self.timed[arm].append(seconds)

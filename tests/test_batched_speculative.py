@@ -319,6 +319,18 @@ def test_adaptive_k_times_only_rounds_of_the_most_rows():
     assert chooser.choose() == 1  # 1.5 tokens in 1.2 s beat 1 in 1.0 s (the 2-row rounds' 0.3 s would say k = 0)
 
 
+def test_an_adaptive_k_kept_for_another_batch_size_times_that_batch_afresh(pair):
+    target, draft = pair
+    chooser = AdaptiveK(2)
+    target_runner, draft_runner = RaggedRunner(target, 16), RaggedRunner(draft, 16)
+    serve(target_runner, draft_runner, PROMPTS[:3], batch_size=3, k=2, max_new_tokens=12, sampling=SamplingParams(),
+          adaptive=chooser)
+    assert chooser.full_rows == 3 and all(len(times) >= 2 for times in chooser.timed.values())
+    serve(target_runner, draft_runner, PROMPTS[3:4], batch_size=3, k=2, max_new_tokens=12, sampling=SamplingParams(),
+          adaptive=chooser)  # one request: its one-row rounds are the batch now, timed from scratch
+    assert chooser.full_rows == 1 and all(len(times) >= 1 for times in chooser.timed.values())
+
+
 def test_adaptive_k_counts_acceptance_per_depth():
     chooser = AdaptiveK(3)
     chooser.observe(3, 1.0, [(3, 0), (3, 1), (3, 3), (2, 2), (1, 0)])
