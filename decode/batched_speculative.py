@@ -271,7 +271,8 @@ class AdaptiveK:
     (an arm's first round is not timed: the first calls at a new shape allocate); after that each round
     runs the arm of the most expected tokens per second, and every EXPLORE_EVERY rounds a neighbour of it
     in `arms` (the one timed longer ago) instead, so the costs near the choice follow the machine and the
-    batch. Only rounds of the most rows seen are timed: a round's time grows with its rows, and the rounds
+    batch. Only rounds of the full batch are timed (serve gives its rows, min(batch size, requests), and a
+    chooser kept for another batch size drops its timings): a round's time grows with its rows, and the rounds
     of a queue running dry (a few rows left) would price an arm by the rows it happened to meet (at batch
     16 in bf16 on a 2-core AMX CPU, the median k = 0 round over all rounds took 25 ms, over 16-row rounds 38
     ms, so k = 0 looked 1.5x as cheap as it is at full batch). A fixed-k round is worth the expected tokens
