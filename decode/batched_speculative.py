@@ -305,7 +305,7 @@ class AdaptiveK:
         self.runs = dict.fromkeys(range(len(self.arms)), 0)
         self.last_used = dict.fromkeys(range(len(self.arms)), 0)
         self.rounds = 0
-        self.full_rows = 0  # the most rows of a round timed
+        self.full_rows = 0  # the rows of a full-batch round: the rounds timed
 
     def depth_acceptance(self, depth: int) -> float:
         prior_accepted, prior_tried = self.PRIOR
