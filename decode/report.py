@@ -66,19 +66,24 @@ def recipe_lines(report: dict) -> list[str]:
     return lines
 
 
+def header_lines(report: dict) -> list[str]:
+    """The title, a stopped run's warning, the timing-reliability lines and what was measured with what."""
+    return [f"# Speculative decoding report: {report['config']['name']}", "",
+            *([f"**Stopped early:** {report['stopped']}.", ""] if report.get("stopped") else []),
+            *reliability_lines(report["timing_reliability"]),
+            f"- command: `{report['command']}`",
+            f"- date: {report['date']} · device: {report['device']} · git {report['git_sha']}",
+            f"- target `{report['target']['ref']}` ({report['target']['params'] / 1e6:.1f}M params)"
+            + "".join(_draft_part(name, report.get(key)) for name, key in (("draft", "draft"),
+                                                                          ("feature draft", "feature_draft"))),
+            *recipe_lines(report),
+            f"- {report['max_new_tokens']} new tokens per prompt, batch 1, backend `{report['backend']}`, "
+            f"{report['dtype']['dtype']} ({report['dtype']['reason']}); "
+            "speedup = speculative tokens/s ÷ target-only tokens/s, timed interleaved in one process"]
+
+
 def write_markdown(report: dict, path: Path) -> None:
-    lines = [f"# Speculative decoding report: {report['config']['name']}", "",
-             *([f"**Stopped early:** {report['stopped']}.", ""] if report.get("stopped") else []),
-             *reliability_lines(report["timing_reliability"]),
-             f"- command: `{report['command']}`",
-             f"- date: {report['date']} · device: {report['device']} · git {report['git_sha']}",
-             f"- target `{report['target']['ref']}` ({report['target']['params'] / 1e6:.1f}M params)"
-             + "".join(_draft_part(name, report.get(key)) for name, key in (("draft", "draft"),
-                                                                           ("feature draft", "feature_draft"))),
-             *recipe_lines(report),
-             f"- {report['max_new_tokens']} new tokens per prompt, batch 1, backend `{report['backend']}`, "
-             f"{report['dtype']['dtype']} ({report['dtype']['reason']}); "
-             "speedup = speculative tokens/s ÷ target-only tokens/s, timed interleaved in one process",
+    lines = [*header_lines(report),
              "", "## Headline", "", report["verdict"], "",
              "## Speculative vs target-only", "",
              "`draft+lookup` rows add prompt lookup to the draft (decode/lookup.py): looked up = proposed "
