@@ -113,17 +113,22 @@ def speculative_generate_batch(target: torch.nn.Module, draft: torch.nn.Module |
     _check_context(target, ids, max_new_tokens, k)
     check_cache_memory(batch_size, max(map(len, ids)), max_new_tokens, k,
                        [m for m in (target, draft) if m is not None and not isinstance(m, FeatureDraft)])
-    if draft is None:
-        target_runner, draft_runner = RaggedRunner(target, vocab), None
-    elif isinstance(draft, FeatureDraft):
-        check_target(draft.config, target.config, vocab)
-        target_runner = RaggedRunner(target, vocab, hidden_layers=draft.config.target_layers)
-        draft_runner = RaggedFeatureDrafter(target_runner, draft, target.get_input_embeddings().weight)
-    else:
-        target_runner, draft_runner = RaggedRunner(target, vocab), RaggedRunner(draft, vocab)
+    target_runner, draft_runner = build_ragged_runners(target, draft)
     return serve(target_runner, draft_runner, ids, batch_size=batch_size, k=k, max_new_tokens=max_new_tokens,
                  sampling=sampling, eos_token_id=eos_token_id, generators=generators, p_min=p_min,
                  adaptive=AdaptiveK(k) if adaptive and draft is not None and k else False, lookup_ngram=lookup_ngram)
+
+
+def build_ragged_runners(target: torch.nn.Module, draft: torch.nn.Module | None
+                         ) -> tuple[RaggedRunner, RaggedRunner | RaggedFeatureDrafter | None]:
+    """(target runner, draft runner) of batched decoding: a standalone draft's RaggedRunner, a FeatureDraft's
+    drafter over a target runner that keeps the layers it reads, or None (target-only)."""
+    vocab = model_vocab_size(target)
+    if not isinstance(draft, FeatureDraft):
+        return RaggedRunner(target, vocab), RaggedRunner(draft, vocab) if draft is not None else None
+    check_target(draft.config, target.config, vocab)
+    target_runner = RaggedRunner(target, vocab, hidden_layers=draft.config.target_layers)
+    return target_runner, RaggedFeatureDrafter(target_runner, draft, target.get_input_embeddings().weight)
 
 
 def _batch_prompt_ids(prompts, vocab_size: int) -> list[list[int]]:

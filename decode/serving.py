@@ -22,11 +22,10 @@ import torch
 
 from common.config import ConfigError
 from common.sampling import SamplingParams
+from decode.api import build_ragged_runners
 from decode.batched_speculative import AdaptiveK, check_cache_memory, serve
-from decode.drafts.feature.ragged import RaggedFeatureDrafter
 from decode.runners.ragged import RaggedRunner
 from decode.stats import SpeculativeStats
-from decode.vocab import model_vocab_size
 
 
 def serving_methods(ks: list[int], p_min: float, kinds: list[str]) -> list[tuple[str, str | None, int, float, bool]]:
@@ -60,19 +59,16 @@ def request_groups(n_requests: int, batch: int) -> list[range]:
 
 def serving_runners(s) -> dict[str | None, tuple[RaggedRunner, object | None]]:
     """(target runner, draft runner) by draft kind (None: target-only) for `s` (decode.eval_speedup.Setup). The feature
-    draft verifies on a target runner of its own, which keeps the hidden states it reads. "draft+lookup" shares
-    the standalone draft's runners (the feature draft cannot follow looked-up text, batched_speculative.serve)."""
-    vocab = model_vocab_size(s.target)
-    target = RaggedRunner(s.target, vocab)
+    draft verifies on a target runner of its own, which keeps the hidden states it reads. "draft" and "draft+lookup"
+    share target-only's target runner (the feature draft cannot follow looked-up text, batched_speculative.serve)."""
+    target, draft = build_ragged_runners(s.target, s.draft)
     out: dict[str | None, tuple[RaggedRunner, object | None]] = {None: (target, None)}
-    if s.draft is not None:
-        out["draft"] = (target, RaggedRunner(s.draft, vocab))
+    if draft is not None:
+        out["draft"] = (target, draft)
         if s.cfg.eval.lookup_ngram:
             out["draft+lookup"] = out["draft"]
     if s.feature is not None:
-        feature_target = RaggedRunner(s.target, vocab, hidden_layers=s.feature.config.target_layers)
-        out["feature"] = (feature_target, RaggedFeatureDrafter(feature_target, s.feature,
-                                                               s.target.get_input_embeddings().weight))
+        out["feature"] = build_ragged_runners(s.target, s.feature)
     return out
 
 
