@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> dict:
     config = cli_config(argv, "Store the target's hidden states of the layers a feature draft reads for every "
                               "row of distill.data_dirs (make features), so distill.teacher=stored trains "
                               f"without running the target. Size: tokens x layers x width x 2 bytes, {DEMO_SIZE}. "
-                              "Rows per forward: generate.batch_size.")
+                              "Per forward: at most generate.batch_size rows and distill.feature_batch_tokens positions.")
     # Imported once the config is read and checked: the stage brings in transformers (~6 s on 2 cores), and a
     # bad setting is reported without waiting for it.
     from distill.feature_store import store

@@ -12,7 +12,7 @@ import torch
 from common.config import ConfigError, load_config
 from common.models import load_model
 from distill.data import DataError, collate, load_examples
-from distill.feature_store import FeatureSpec, features_dir
+from distill.feature_store import FeatureSpec, features_dir, forward_batches
 from distill.features import main as store_features
 from distill.training.feature import FeatureRecipe
 from distill.training.feature_stored import StoredFeatures, StoredFeatureTeacher, topk_subset_logp
@@ -47,7 +47,8 @@ def data(target_dir, tmp_path_factory):
     """test_feature_training's shards, with one-token prompts too (only their completions can be cut),
     features stored."""
     data_dir = write_scored_shards(tmp_path_factory.mktemp("data"), load_model(str(target_dir)), prompt_len=(1, 10))
-    store(target_dir, data_dir, "distill.precision=bf16")  # the target in bf16, as the online teacher below
+    # The target in bf16, as the online teacher below; forwards of a few rows each, cut by the position budget.
+    store(target_dir, data_dir, "distill.precision=bf16", "distill.feature_batch_tokens=40")
     return data_dir
 
 
@@ -82,6 +83,17 @@ def test_stored_hidden_states_equal_the_online_teachers(target_dir, data):
         if start == 0:  # nothing before the window was cut: the online teacher's over the short row itself
             torch.testing.assert_close(hidden[b, :n], online_short[b, :n], **close)
         assert not hidden[b, n:].any()  # padding
+
+
+def test_features_run_longest_rows_first_within_the_row_and_position_budgets():
+    lengths = [5, 30, 12, 12, 7, 50, 3, 12]
+    batches = forward_batches(lengths, max_rows=3, max_tokens=36)
+    assert sorted(r for batch in batches for r in batch) == list(range(len(lengths)))  # each row once
+    assert [lengths[r] for batch in batches for r in batch] == sorted(lengths, reverse=True)
+    assert batches[0] == [5]  # longer than the budget: alone
+    for batch in batches:
+        assert len(batch) <= 3 and (len(batch) == 1 or len(batch) * lengths[batch[0]] <= 36)
+    assert [len(b) for b in batches] == [1, 1, 3, 3]  # 30 alone (2 x 30 > 36); 12 x 3; then the row cap
 
 
 def test_target_logp_from_a_full_vocabulary_top_k_equals_the_online_one(target_dir, tmp_path):

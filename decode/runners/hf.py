@@ -114,9 +114,11 @@ class HFBatchedRunner:
             out = self.model.base_model(input_ids=ids, attention_mask=self.mask, position_ids=positions)
             return out.last_hidden_state
         self.cache = DynamicCache()
-        out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=positions,
-                         cache=self.cache, use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1].float()
+        out = self.model.base_model(input_ids=ids, attention_mask=self.mask, position_ids=positions,
+                                    cache=self.cache, use_cache=True)
+        # The head over a contiguous copy of the last rows: on a strided [B, 1, H] slice (what logits_to_keep=1
+        # gives it) torch 2.13's CPU bf16 linear took 1.6 s for 24 rows of SmolLM2, against 4 ms contiguous.
+        return self.logits(out.last_hidden_state[:, -1].contiguous())
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

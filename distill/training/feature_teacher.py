@@ -10,9 +10,11 @@ completion token predicted at position 0 (a one-token prompt) has no draft posit
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
+from accelerate.utils import extract_model_from_parallel
 
 from distill.training.teacher import forward_at
 
@@ -34,11 +36,27 @@ class FeatureBatch:
     """False when the target's logits hold NaN or inf (the step is then skipped)."""
 
 
-def layer_outputs(out, layers: list[int]) -> torch.Tensor:
-    """[B, T, len(layers), H]: the outputs of the target's decoder `layers` from a forward run with
-    output_hidden_states. hidden_states[0] is the embedding output, [i + 1] layer i's (the last layer's
-    after the final norm, as decode/runners report them at decode time)."""
-    return torch.stack([out.hidden_states[i + 1] for i in layers], dim=2)
+def forward_keeping_layers(model, layers: list[int], head_at: torch.Tensor | None = None, **inputs):
+    """(`model(**inputs)`, or `forward_at(model, head_at, **inputs)` with the head at the head_at positions only;
+    [B, T, len(layers), H] the outputs of its decoder `layers`), the last layer's after
+    the final norm: what output_hidden_states reports as hidden_states[i + 1], and decode/runners keep at
+    decode time. Forward hooks keep only those layers' outputs (the same bits as output_hidden_states, which
+    holds every layer's: 31 x [B, T, H] for SmolLM2), and `model` may be a decoder without a head."""
+    decoder = extract_model_from_parallel(model).get_decoder()
+    last = len(decoder.layers) - 1
+    kept: dict[int, torch.Tensor] = {}
+
+    def keep(i, module, args, output):
+        kept[i] = output[0] if isinstance(output, tuple) else output
+
+    handles = [(decoder.norm if i == last else decoder.layers[i]).register_forward_hook(partial(keep, i))
+               for i in layers]
+    try:
+        out = model(**inputs) if head_at is None else forward_at(model, head_at, **inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return out, torch.stack([kept[i] for i in layers], dim=2)
 
 
 class FeatureTeacher:
@@ -53,9 +71,9 @@ class FeatureTeacher:
         loss_mask = batch["loss_mask"]
         positions = F.pad(loss_mask[:, 1:], (0, 1))  # [B, T]: draft position i <- target position i + 1
         teacher_at = F.pad(loss_mask[:, 1:], (1, 0))  # [B, T]: those target positions i + 1
-        out = forward_at(self.target, teacher_at, input_ids=batch["input_ids"],
-                         attention_mask=batch["attention_mask"], output_hidden_states=True)
-        hidden = layer_outputs(out, self.layers).to(self.dtype)
+        out, hidden = forward_keeping_layers(self.target, self.layers, teacher_at, input_ids=batch["input_ids"],
+                                             attention_mask=batch["attention_mask"])
+        hidden = hidden.to(self.dtype)
         embeds = self.target.get_input_embeddings()(batch["labels"]).to(self.dtype)
         logits = out.logits[0].float()  # [n, V]
         target_logp = torch.log_softmax(logits, -1)[:, self.subset_ids]  # [n, N]
