@@ -49,7 +49,12 @@ def kl_per_token(logp_a: torch.Tensor, logp_b: torch.Tensor) -> torch.Tensor:
     """Per-token KL(a ‖ b) = Σ_v a_v (log a_v − log b_v), with 0·log 0 = 0.
 
     Inputs are sanitised BEFORE the arithmetic: a `where` on the output alone still lets the
-    masked branch's inf/NaN leak into the gradient (0 · inf = NaN in the chain rule)."""
+    masked branch's inf/NaN leak into the gradient (0 · inf = NaN in the chain rule). Where a has no
+    zero (a teacher over the whole subset, the usual case) the plain sum is the same value and gradient
+    without the three `where`s: forward and backward of [700, 2,048] took 3.1-3.4 ms against 7.9-8.1, and 40
+    steps of the feature preset 0.966x the wall time (2-core AMX Xeon, paired runs; the standalone demo's level)."""
+    if not torch.isneginf(logp_a).any():
+        return (logp_a.exp() * (logp_a - logp_b)).sum(-1)
     present = logp_a > float("-inf")
     a = torch.where(present, logp_a, torch.zeros_like(logp_a))
     b = torch.where(present, logp_b, torch.zeros_like(logp_b))

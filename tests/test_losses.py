@@ -57,6 +57,19 @@ def test_forward_kl_matches_torch_and_jsd_tvd_bounds():
     assert torch.allclose(acceptance(draft, target, mask)[0], 6 - tvd(draft, target, mask)[0], atol=1e-5)
 
 
+def test_forward_kl_gradient_with_and_without_zero_target_probabilities_matches_torch():
+    """kl_per_token sums directly where the target has no zero and sanitises where it has: both give
+    torch's gradient (at a zero the term is 0·log 0 = 0, as kl_div's)."""
+    mask = torch.ones(6, dtype=torch.bool)
+    for zero_cols in ((), (2, 7)):
+        target = _logp(seed=5, neg_inf_cols=zero_cols)
+        ours, theirs = (torch.randn(6, 10, generator=torch.Generator().manual_seed(4)).requires_grad_()
+                        for _ in range(2))
+        forward_kl(torch.log_softmax(ours, -1), target, mask)[0].backward()
+        torch.nn.functional.kl_div(torch.log_softmax(theirs, -1), target, log_target=True, reduction="sum").backward()
+        torch.testing.assert_close(ours.grad, theirs.grad)
+
+
 def test_acceptance_losses_are_functions_of_acceptance_and_kl():
     draft, target = _logp(seed=4), _logp(seed=5)
     mask = torch.ones(6, dtype=torch.bool)
