@@ -251,8 +251,8 @@ class DistillConfig:
     the product of the draft's acceptance at the block's steps before it (distill/training/feature_loss.py)."""
     feature_batch_tokens: int = 4096
     """`make features`: at most this many positions (rows x longest row) per target forward, and at most
-    generate.batch_size rows. On a 2-core AMX Xeon forwards of 1,024-8,192 positions ran at 3,400-3,770 tok/s,
-    128 rows of ~150 tokens (19,000 positions) at 3,216 (docs/feature-draft.md)."""
+    generate.batch_size rows. On a 2-core AMX Xeon (bf16, the decoder alone, 256 of the demo's rows) forwards of
+    1,024-8,192 positions ran at 3,400-3,770 tok/s, 128 rows of ~150 tokens (19,000 positions) at 3,216."""
 
     def problems(self) -> list[str]:
         """This section's impossible values, one message each; warns about unusual draft sizes."""
