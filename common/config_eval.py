@@ -57,7 +57,8 @@ class EvalConfig:
     serving_batches: list[int] = field(default_factory=list)
     """Batch sizes of the serving table (decode/serving.py): target-only and each draft measured (standalone,
     standalone behind prompt lookup when lookup_ngram > 0, feature) at each k of eval.ks, with continuous
-    batching, on the first prompt set's prompts; [] = none."""
+    batching, on the first prompt set's prompts; [] = none. `make eval-engines` serves the same requests in
+    vLLM at each batch size > 1."""
     serving_requests: int = 0
     """Requests decoded per batch size (the prompts repeated): at least twice the batch size."""
     serving_p_min: float = 0.0

@@ -201,20 +201,24 @@ def engine_lines(rows: list[dict], setup: dict) -> list[str]:
     engine, against the same engine's plain decoding (`make eval-engines`, decode/engines/)."""
     lines = ["## Serving engines", "",
              f"`{setup['command']}` ({setup['date']}, {setup['threads']} threads per engine). The same "
-             "prompt token ids in every engine, batch 1. speedup = tokens/s ÷ the same engine's plain "
-             "tokens/s; α = accepted ÷ drafted tokens; τ = tokens per target forward; greedy identical = "
-             "every prompt's output equals the engine's plain greedy output; log p = the target's mean "
+             "prompt token ids in every engine. Batch 1: one prompt at a time; batch B > 1: the serving "
+             "requests with up to B in flight (continuous batching), latency = mean time from a request joining "
+             "to its last token. speedup = tokens/s ÷ the same engine's plain tokens/s at the same batch; "
+             "α = accepted ÷ drafted tokens; τ = tokens per target forward; greedy identical = every output "
+             "equals the engine's plain batch-1 greedy output of its prompt; log p = the target's mean "
              "log-probability per output token at that T (sampled outputs of a lossless engine score like "
              "its plain ones).", "",
              *[f"- {name}: {value}" for name, value in setup["files"].items()], "",
-             "| engine | prompts | T | mode | k | tok/s | speedup | α | τ | greedy identical | log p | notes |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| engine | prompts | T | batch | mode | k | tok/s | speedup | α | τ | latency s | greedy identical | "
+             "log p | notes |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         same = "–" if row["greedy_identical"] is None else ("yes" if row["greedy_identical"] else "**NO**")
         speedup = "–" if row["mode"] == "plain" else f"**{_fmt(row['speedup'])}×**"
         lines.append(f"| {row['engine']} | {row['prompt_set']} ({row['n_prompts']}) | {row['temperature']} | "
-                     f"{row['mode']} | {row['k'] or '–'} | {_fmt(row['tok_s'], 1)} | {speedup} | "
-                     f"{_fmt(row['alpha'])} | {_fmt(row['tau'])} | {same} | {_fmt(row['target_logprob'])} | "
+                     f"{row['batch']} | {row['mode']} | {row['k'] or '–'} | {_fmt(row['tok_s'], 1)} | {speedup} | "
+                     f"{_fmt(row['alpha'])} | {_fmt(row['tau'])} | {_fmt(row['mean_latency_s'])} | {same} | "
+                     f"{_fmt(row['target_logprob'])} | "
                      f"{'; '.join(row['notes'])} |")
     return lines
 

@@ -51,6 +51,12 @@ on each group in turn (the order rotated per group), so a drift in the machine's
 alike, as the batch-1 rows interleave per prompt. "draft auto" keeps its AdaptiveK from group to group."""
 
 
+def serving_requests(prompts: list, requests: int, batch: int) -> list:
+    """The requests a batch size serves: the prompts in order, repeated to `requests` (at least twice the batch,
+    so rows finish and new ones join)."""
+    return [prompts[i % len(prompts)] for i in range(max(requests, 2 * batch))]
+
+
 def request_groups(n_requests: int, batch: int) -> list[range]:
     groups = max(1, min(SERVING_GROUPS, n_requests // (2 * batch)))
     bounds = [round(g * n_requests / groups) for g in range(groups + 1)]
@@ -80,7 +86,7 @@ def measure_serving(s, greedy_tokens: dict[tuple[str, str], list[int]]) -> list[
     methods = serving_methods(ev.ks, ev.serving_p_min, [kind for kind in runners if kind])
     rows = []
     for batch in ev.serving_batches:
-        requests = [prompts[i % len(prompts)] for i in range(max(ev.serving_requests, 2 * batch))]
+        requests = serving_requests(prompts, ev.serving_requests, batch)
         for temperature in ev.temperatures:
             sampling = SamplingParams(temperature, ev.top_k, ev.top_p)
             runs: list[list[dict]] = [[] for _ in methods]

@@ -24,7 +24,7 @@ from decode.engines.llamacpp_output import LlamaCppOutputError, parse_plain, par
 from decode.engines.rows import EngineRun, engine_rows, outputs_agree
 from decode.engines.target_logprob import token_logprobs
 from decode.engines.vllm_engine import runs_from_result, speculative_config, vllm_python
-from decode.engines.vllm_worker import ACCEPTED, DRAFT_TOKENS, DRAFTS, acceptance_counts, spec_counters
+from decode.engines.vllm_worker import ACCEPTED, DRAFT_TOKENS, DRAFTS, acceptance_counts, serve, spec_counters
 from decode.report import engine_lines
 
 
@@ -70,9 +70,31 @@ def test_engine_table_in_the_report():
     setup = {"command": "python -m decode.engines", "date": "today", "threads": 2, "files": {"draft": "d/hf"}}
     table = "\n".join(engine_lines(rows, setup))
     assert "## Serving engines" in table and "- draft: d/hf" in table
-    assert "| vllm | set (1) | 0.0 | plain | – | 2.0 | – | – | – | – | – |  |" in table
-    assert ("| vllm | set (1) | 0.0 | draft | 4 | 4.0 | **2.00×** | 0.25 | 2.00 | **NO** | -1.23 | "
+    assert "| vllm | set (1) | 0.0 | 1 | plain | – | 2.0 | – | – | – | 1.00 | – | – |  |" in table
+    assert ("| vllm | set (1) | 0.0 | 1 | draft | 4 | 4.0 | **2.00×** | 0.25 | 2.00 | 0.50 | **NO** | -1.23 | "
             "vLLM 0.32.0, float32 |") in table
+
+
+def batched(mode, outputs, latencies, wall_s, batch, **kwargs):
+    served = run(mode, outputs, latencies, **kwargs)
+    served.batch, served.wall_s = batch, wall_s
+    return served
+
+
+def test_batched_rows_against_plain_at_their_batch_and_greedy_against_batch_1():
+    plain_1 = run("plain", [[1, 2, 3], [4, 5, 6]], [1.0, 1.0])
+    # Four requests: prompts 0, 1, 0, 1. Throughput counts the wall-clock of all, not the latencies' sum.
+    plain_4 = batched("plain", [[1, 2, 3], [4, 5, 6], [1, 2, 3], [4, 5, 6]], [2.0] * 4, 4.0, 4)
+    draft_4 = batched("draft", [[1, 2, 3], [4, 5, 6], [1, 2, 3], [4, 5, 6]], [1.0] * 4, 2.0, 4,
+                      accepted=6, drafted=8)
+    wrong_4 = batched("ngram", [[1, 2, 3], [4, 5, 6], [4, 5, 6], [4, 5, 6]], [1.0] * 4, 2.0, 4)
+    rows = {(r["mode"], r["batch"]): r for r in engine_rows([plain_1, plain_4, draft_4, wrong_4])}
+    assert rows[("plain", 4)]["tok_s"] == pytest.approx(12 / 4.0) and rows[("plain", 4)]["speedup"] == 1.0
+    assert rows[("draft", 4)]["speedup"] == pytest.approx(2.0) and rows[("draft", 4)]["mean_latency_s"] == 1.0
+    assert rows[("draft", 4)]["tau"] == pytest.approx(12 / 6)
+    assert rows[("plain", 4)]["greedy_identical"] is True and rows[("draft", 4)]["greedy_identical"] is True
+    assert rows[("ngram", 4)]["greedy_identical"] is False  # request 2 got prompt 1's output
+    assert rows[("plain", 1)]["greedy_identical"] is None  # the reference itself
 
 
 def test_engine_rows_join_an_existing_report_without_replacing_it(tmp_path):
@@ -121,6 +143,57 @@ def test_vllm_speculative_counters_to_acceptance():
     assert by_set["a"].tau == pytest.approx(4 / 2) and by_set["a"].alpha == pytest.approx(0.5)
     assert by_set["b"].new_tokens == [2, 6] and by_set["b"].accepted == 4 and by_set["b"].drafted == 12
     assert by_set["b"].tau == pytest.approx(8 / 4)
+
+
+def test_vllm_serving_result_to_batched_runs():
+    job = EngineJob(load_config("configs/tiny.yaml", ["eval.temperatures=[0.0]", "eval.serving_batches=[2]",
+                                                      "eval.serving_requests=3"]), {"a": [[1], [2]], "b": [[3]]},
+                    None, Path("."))
+    assert job.requests(2) == [[1], [2], [1], [2]]  # the first set, repeated to twice the batch at least
+    result = {"vllm_version": "0.32.0", "temperatures": {"0.0": [
+        {"token_ids": [1], "seconds": 1.0, "accepted": 0, "draft_tokens": 0, "drafts": 0}] * 3},
+        "serving": {"0.0/2": {"seconds": 2.0, "accepted": 3, "draft_tokens": 8, "drafts": 2, "requests": [
+            {"token_ids": [1, 2], "seconds": 1.5}, {"token_ids": [3], "seconds": 0.5},
+            {"token_ids": [4, 5], "seconds": 1.0}, {"token_ids": [6], "seconds": 1.0}]}}}
+    (served,) = [r for r in runs_from_result(result, job, "draft", 4, "float32") if r.batch > 1]
+    assert (served.prompt_set, served.batch, served.temperature, served.k) == ("a", 2, 0.0, 4)
+    assert served.outputs[2] == [4, 5] and served.tok_s == pytest.approx(6 / 2.0)
+    assert served.accepted == 3 and served.drafted == 8 and served.tau == pytest.approx(6 / 3)
+
+
+class FakeEngine:
+    """vLLM's LLMEngine as the serving loop sees it: each step gives every request in flight one token; a
+    request of prompt [n] finishes after n tokens. Records how many requests were in flight at each step."""
+
+    def __init__(self):
+        self.running, self.in_flight = {}, []
+
+    def add_request(self, request_id, prompt, params):
+        self.running[request_id] = (prompt, [])
+
+    def has_unfinished_requests(self):
+        return bool(self.running)
+
+    def step(self):
+        self.in_flight.append(len(self.running))
+        outputs = []
+        for request_id, (prompt, tokens) in list(self.running.items()):
+            tokens.append(prompt[0] * 10 + len(tokens))
+            finished = len(tokens) == prompt[0]
+            if finished:
+                del self.running[request_id]
+            outputs.append(SimpleNamespace(request_id=request_id, finished=finished,
+                                           outputs=[SimpleNamespace(token_ids=list(tokens))]))
+        return outputs
+
+
+def test_vllm_serving_loop_keeps_the_batch_full_and_returns_requests_in_order():
+    engine, ticks = FakeEngine(), iter(range(1000))
+    served = serve(engine, [[3], [1], [2], [1], [4]], [None] * 5, batch=2, tag="t-", clock=lambda: next(ticks))
+    assert [r["token_ids"] for r in served["requests"]] == [[30, 31, 32], [10], [20, 21], [10], [40, 41, 42, 43]]
+    assert max(engine.in_flight) == 2 and engine.in_flight[:4] == [2, 2, 2, 2]  # a request joins as one finishes
+    assert all(r["seconds"] > 0 for r in served["requests"]) and served["seconds"] > max(
+        r["seconds"] for r in served["requests"])
 
 
 def test_missing_vllm_environment_names_make_setup_vllm(tmp_path):

@@ -3,7 +3,9 @@
     python -m decode.engines --config configs/smollm2.yaml [key.sub=value ...]
 
 For every engine in engines.run: plain decoding, our exported draft and the engine's own n-gram mode
-at each k in engines.ks, at every eval temperature, one prompt at a time. The rows go into
+at each k in engines.ks, at every eval temperature, one prompt at a time; in vLLM also at each batch size
+> 1 of eval.serving_batches, serving eval.serving_requests requests with continuous batching (the
+requests our own serving table decodes, decode/serving.py). The rows go into
 <eval.out_dir>/report.json (`engines`, added to an existing eval-speedup report) and report.md
 ("Serving engines"); each engine's logs and every output into <eval.out_dir>/engines/.
 """
@@ -71,8 +73,10 @@ def main(argv: list[str] | None = None) -> dict:
                     tokenizer, log_dir, draft_mode="eagle3" if draft_kind(cfg) == "eagle3" else "draft")
     runs: list[EngineRun] = []
     for engine in cfg.engines.run:
+        batches = [b for b in cfg.eval.serving_batches if b > 1]
         print(f"{engine}: {len(job.modes)} modes x {len(cfg.eval.temperatures)} temperatures x "
-              f"{len(job.prompts)} prompts", flush=True)
+              f"{len(job.prompts)} prompts" + (f", and batches {batches}" if engine == "vllm" and batches else
+                                               " (batch 1 only)" if batches else ""), flush=True)
         runs += RUNNERS[engine](job)
     score_runs(runs, job)
     write_outputs(runs, job, log_dir / "outputs.jsonl")
@@ -107,18 +111,19 @@ def write_outputs(runs: list[EngineRun], job: EngineJob, path: Path) -> None:
                 text = output if isinstance(output, str) else job.tokenizer.decode(output)
                 f.write(json.dumps({"engine": run.engine, "prompt_set": run.prompt_set, "prompt_index": index,
                                     "mode": run.mode, "k": run.k, "temperature": run.temperature,
-                                    "text": text}) + "\n")
+                                    "batch": run.batch, "text": text}) + "\n")
 
 
 def print_rows(rows: list[dict], out_dir: Path) -> None:
-    print(f"\n{'engine':<10}{'prompts':<14}{'T':>5}{'mode':>7}{'k':>3}{'tok/s':>9}{'speedup':>9}{'tau':>7}"
+    print(f"\n{'engine':<10}{'prompts':<14}{'T':>5}{'batch':>6}{'mode':>7}{'k':>3}{'tok/s':>9}{'speedup':>9}{'tau':>7}"
           f"{'log p':>7}  greedy-identical")
     for r in rows:
         speedup = f"{r['speedup']:.2f}x" if r["speedup"] and r["mode"] != "plain" else "-"
         tau = f"{r['tau']:.2f}" if r["tau"] else "-"
         logprob = f"{r['target_logprob']:.2f}" if r["target_logprob"] is not None else "-"
         same = "-" if r["greedy_identical"] is None else str(r["greedy_identical"])
-        print(f"{r['engine']:<10}{r['prompt_set'][:13]:<14}{r['temperature']:>5}{r['mode']:>7}{r['k'] or '-':>3}"
+        print(f"{r['engine']:<10}{r['prompt_set'][:13]:<14}{r['temperature']:>5}{r['batch']:>6}{r['mode']:>7}"
+              f"{r['k'] or '-':>3}"
               f"{r['tok_s']:>9.1f}{speedup:>9}{tau:>7}{logprob:>7}  {same}")
     print(f"\nreport: {out_dir / 'report.md'}")
 

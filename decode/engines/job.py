@@ -10,6 +10,7 @@ from pathlib import Path
 
 from common.config import Config
 from common.errors import UserError
+from decode.serving import serving_requests
 
 
 class EngineFailed(UserError):
@@ -39,6 +40,16 @@ class EngineJob:
     def prompts(self) -> list[tuple[str, list[int]]]:
         """(prompt set, token ids) of every prompt, in a fixed order."""
         return [(name, ids) for name, prompts in self.prompt_sets.items() for ids in prompts]
+
+    @property
+    def serving_set(self) -> str:
+        """The prompt set the serving batches (eval.serving_batches) draw their requests from: the first."""
+        return next(iter(self.prompt_sets))
+
+    def requests(self, batch: int) -> list[list[int]]:
+        """The token ids of the requests served at `batch` (eval.serving_requests; as our own serving table,
+        decode/serving.py): request i is prompt i % n of the serving set."""
+        return serving_requests(self.prompt_sets[self.serving_set], self.cfg.eval.serving_requests, batch)
 
     def seed(self, index: int) -> int:
         """The sampling seed of the index-th prompt (the same in every mode, so runs differ only by the engine)."""

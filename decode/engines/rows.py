@@ -21,7 +21,8 @@ class EngineRun:
     """Per prompt: tokens generated."""
     seconds: list[float]
     """Per prompt: decoding time (wall-clock around the engine's generate call, or the engine's own
-    decode timer where its process also loads models)."""
+    decode timer where its process also loads models); at batch > 1 each request's latency, from joining
+    to its last token."""
     outputs: list
     """Per prompt: the generated token ids, or text where the engine prints only text."""
     accepted: int | None = None
@@ -31,10 +32,14 @@ class EngineRun:
     notes: list[str] = field(default_factory=list)
     target_logprob: float | None = None
     """The target's mean log-probability per output token (decode/engines/target_logprob.py)."""
+    batch: int = 1
+    """1: one prompt at a time; B > 1: the serving requests (EngineJob.requests) with up to B in flight."""
+    wall_s: float | None = None
+    """At batch > 1: wall-clock seconds for all requests together."""
 
     @property
     def tok_s(self) -> float:
-        return sum(self.new_tokens) / sum(self.seconds)
+        return sum(self.new_tokens) / (self.wall_s if self.batch > 1 else sum(self.seconds))
 
     @property
     def tau(self) -> float | None:
@@ -59,18 +64,23 @@ def outputs_agree(a, b) -> bool:
 
 
 def engine_rows(runs: list[EngineRun]) -> list[dict]:
-    """One report row per run; speedup and the greedy check are against the same engine's plain run at
-    the same prompt set and temperature (None where there is none)."""
-    plain = {(r.engine, r.prompt_set, r.temperature): r for r in runs if r.mode == "plain"}
+    """One report row per run; speedup is against the same engine's plain run at the same prompt set,
+    temperature and batch size, and the greedy check against its plain greedy run at batch 1 (request i of a
+    batched run is prompt i % n) (None where there is none)."""
+    plain = {(r.engine, r.prompt_set, r.temperature, r.batch): r for r in runs if r.mode == "plain"}
     rows = []
     for run in runs:
-        base = plain.get((run.engine, run.prompt_set, run.temperature))
+        base = plain.get((run.engine, run.prompt_set, run.temperature, run.batch))
+        reference = plain.get((run.engine, run.prompt_set, 0.0, 1))
         greedy = None
-        if run.temperature == 0 and run.mode != "plain" and base is not None:
-            greedy = all(outputs_agree(a, b) for a, b in zip(run.outputs, base.outputs, strict=True))
-        rows.append({"engine": run.engine, "prompt_set": run.prompt_set, "mode": run.mode, "k": run.k, "temperature": run.temperature,
+        if run.temperature == 0 and run is not reference and reference is not None:
+            greedy = all(outputs_agree(output, reference.outputs[i % len(reference.outputs)])
+                         for i, output in enumerate(run.outputs))
+        rows.append({"engine": run.engine, "prompt_set": run.prompt_set, "mode": run.mode, "k": run.k,
+                     "temperature": run.temperature, "batch": run.batch,
                      "n_prompts": len(run.new_tokens), "new_tokens": sum(run.new_tokens), "tok_s": run.tok_s,
                      "speedup": run.tok_s / base.tok_s if base is not None else None,
+                     "mean_latency_s": sum(run.seconds) / len(run.seconds),
                      "alpha": run.alpha, "tau": run.tau, "greedy_identical": greedy,
                      "target_logprob": run.target_logprob, "notes": run.notes})
     return rows

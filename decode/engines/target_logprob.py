@@ -23,7 +23,7 @@ def score_runs(runs: list[EngineRun], job: EngineJob) -> None:
     device = resolve_device(cfg.device)
     target = load_model(cfg.target, device, torch_dtype(cfg.eval.dtype, device))
     for run in runs:
-        prompts = job.prompt_sets[run.prompt_set]
+        prompts = job.requests(run.batch) if run.batch > 1 else job.prompt_sets[run.prompt_set]
         total, count = 0.0, 0
         for prompt_ids, output in zip(prompts, run.outputs, strict=True):
             ids = job.tokenizer.encode(output, add_special_tokens=False) if isinstance(output, str) else output

@@ -90,7 +90,10 @@ def run_vllm(job: EngineJob) -> list[EngineRun]:
             "seeds": [job.seed(i) for i in range(len(prompts))],
             "max_model_len": max(map(len, prompts)) + ev.max_new_tokens + max(cfg.engines.ks) + 16,
             "kv_cache_memory_bytes": cfg.engines.vllm_kv_cache_bytes, "max_new_tokens": ev.max_new_tokens,
-            "temperatures": ev.temperatures, "top_k": ev.top_k, "top_p": ev.top_p}
+            "temperatures": ev.temperatures, "top_k": ev.top_k, "top_p": ev.top_p,
+            "serving": [{"batch": batch, "prompts": job.requests(batch),
+                         "seeds": [job.seed(i) for i in range(len(job.requests(batch)))]}
+                        for batch in ev.serving_batches if batch > 1]}
     runs = []
     for mode, k in job.modes:
         name = f"vllm-{mode}" + (f"-k{k}" if k else "")
@@ -131,21 +134,31 @@ def last_line(log: Path) -> str:
 
 
 def runs_from_result(result: dict, job: EngineJob, mode: str, k: int | None, settings: str) -> list[EngineRun]:
-    """The worker's per-prompt results as one EngineRun per (temperature, prompt set); `settings` (dtype,
-    eager) goes into its notes after vLLM's version."""
+    """The worker's per-prompt results as one EngineRun per (temperature, prompt set), then its serving
+    results as one per (temperature, batch size); `settings` (dtype, eager) goes into their notes after
+    vLLM's version."""
+    notes = [f"vLLM {result['vllm_version']}, {settings}"]
+    speculative = mode != "plain"
     runs = []
     for temperature in job.cfg.eval.temperatures:
         per_set: dict[str, EngineRun] = {}
         for (set_name, _), out in zip(job.prompts, result["temperatures"][str(temperature)], strict=True):
             run = per_set.setdefault(set_name, EngineRun(
-                "vllm", set_name, mode, k, temperature, [], [], [],
-                accepted=0 if mode != "plain" else None, drafted=0 if mode != "plain" else None,
-                notes=[f"vLLM {result['vllm_version']}, {settings}"]))
+                "vllm", set_name, mode, k, temperature, [], [], [], accepted=0 if speculative else None,
+                drafted=0 if speculative else None, notes=notes))
             run.new_tokens.append(len(out["token_ids"]))
             run.seconds.append(out["seconds"])
             run.outputs.append(out["token_ids"])
-            if mode != "plain":
+            if speculative:
                 run.accepted += out["accepted"]
                 run.drafted += out["draft_tokens"]
         runs += per_set.values()
+    for key, served in result.get("serving", {}).items():
+        temperature, batch = key.split("/")
+        requests = served["requests"]
+        runs.append(EngineRun("vllm", job.serving_set, mode, k, float(temperature),
+                              [len(r["token_ids"]) for r in requests], [r["seconds"] for r in requests],
+                              [r["token_ids"] for r in requests], accepted=served["accepted"] if speculative else None,
+                              drafted=served["draft_tokens"] if speculative else None, notes=notes,
+                              batch=int(batch), wall_s=served["seconds"]))
     return runs

@@ -5,9 +5,13 @@ interpreter (`make setup-vllm`), which has vLLM but not this project:
 
 job.json (written by decode/engines/vllm_engine.py): the target folder, dtype, KV-cache bytes,
 max_model_len, the speculative_config (null for plain decoding), enforce_eager, the prompts as token ids with a
-sampling seed each, the number of new tokens, the temperatures and top-k/top-p. Every prompt is its
-own generate call (batch 1), after one untimed warm-up call. result.json: per temperature, each prompt's new
-token ids, wall-clock seconds and what its call moved vLLM's speculative counters by.
+sampling seed each, the number of new tokens, the temperatures and top-k/top-p, and for batch > 1 the
+serving batch sizes, each with its requests (token ids and a seed each). Every prompt is its own generate call
+(batch 1), after one untimed warm-up call. Then, per temperature and serving batch size B, all requests
+go through vLLM's engine with at most B in flight: a request joins as soon as one finishes (continuous
+batching, as a server under steady load). result.json: per temperature, each prompt's new token ids,
+wall-clock seconds and what its call moved vLLM's speculative counters by; per serving batch, each
+request's token ids and latency (joining to its last token), the wall-clock for all of them and the counters.
 
 Only the standard library is imported at module level: the project's own tests import the pure
 functions below (acceptance_counts) without vLLM installed. vLLM starts its engine core with
@@ -25,6 +29,9 @@ DRAFTS = "vllm:spec_decode_num_drafts"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 SPEC_COUNTERS = (DRAFTS, DRAFT_TOKENS, ACCEPTED)
+WARM_UP_TOKENS = 16
+"""Each serving batch size first serves its first `batch` requests this far, untimed: a new batch width's
+first steps pay for allocation and kernel choice."""
 
 
 def spec_counters(metrics) -> dict[str, int]:
@@ -43,16 +50,38 @@ def acceptance_counts(before: dict[str, int], after: dict[str, int]) -> dict[str
             "accepted": after[ACCEPTED] - before[ACCEPTED]}
 
 
+def serve(engine, prompts: list, params: list, batch: int, tag: str, clock=time.perf_counter) -> dict:
+    """Every prompt through `engine` (vLLM's LLMEngine: add_request, step, has_unfinished_requests) with at
+    most `batch` requests in flight, in order; returns the wall-clock seconds and, per prompt, its token
+    ids and latency. `tag` starts every request id (vLLM's outputs carry the ids it was given), so it must
+    differ from call to call."""
+    queue = list(range(len(prompts)))
+    joined, done = {}, {}
+    start = clock()
+    while queue or engine.has_unfinished_requests():
+        while queue and len(joined) - len(done) < batch:
+            i = queue.pop(0)
+            engine.add_request(f"{tag}{i}", prompts[i], params[i])
+            joined[i] = clock()
+        for output in engine.step():
+            if output.finished:
+                i = int(output.request_id.removeprefix(tag))
+                done[i] = {"token_ids": list(output.outputs[0].token_ids), "seconds": clock() - joined[i]}
+    return {"seconds": clock() - start, "requests": [done[i] for i in range(len(prompts))]}
+
+
 def run(job: dict) -> dict:
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     started = time.perf_counter()
+    batches = [entry["batch"] for entry in job.get("serving", [])]
     llm = LLM(model=job["model"], tokenizer=job["model"], dtype=job["dtype"], seed=job["seed"],
               max_model_len=job["max_model_len"], kv_cache_memory_bytes=job["kv_cache_memory_bytes"],
               speculative_config=job["speculative_config"], enforce_eager=job.get("enforce_eager", False),
-              disable_log_stats=False)  # the speculative counters are only kept with stats on
+              disable_log_stats=False,  # the speculative counters are only kept with stats on
+              **({"max_num_seqs": max(batches)} if batches else {}))
     start_s = time.perf_counter() - started
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]]
 
@@ -73,7 +102,25 @@ def run(job: dict) -> dict:
             outputs.append({"token_ids": list(result.outputs[0].token_ids), "seconds": seconds,
                             **acceptance_counts(before, spec_counters(llm.get_metrics()))})
         by_temperature[str(temperature)] = outputs
-    return {"vllm_version": vllm.__version__, "start_s": start_s, "temperatures": by_temperature}
+    return {"vllm_version": vllm.__version__, "start_s": start_s, "temperatures": by_temperature,
+            "serving": serve_batches(llm, job, sampling, TokensPrompt)}
+
+
+def serve_batches(llm, job: dict, sampling, TokensPrompt) -> dict:
+    """"<temperature>/<batch>" -> serve()'s result for that batch size's requests with the counters it moved."""
+    out = {}
+    for temperature in job["temperatures"]:
+        for entry in job.get("serving", []):
+            batch, requests = entry["batch"], [TokensPrompt(prompt_token_ids=ids) for ids in entry["prompts"]]
+            warm_up = [sampling(temperature, 0)] * batch
+            for params in warm_up:
+                params.max_tokens = WARM_UP_TOKENS
+            serve(llm.llm_engine, requests[:batch], warm_up, batch, f"warm{batch}-T{temperature}-")
+            params = [sampling(temperature, seed) for seed in entry["seeds"]]
+            before = spec_counters(llm.get_metrics())
+            served = serve(llm.llm_engine, requests, params, batch, f"b{batch}-T{temperature}-")
+            out[f"{temperature}/{batch}"] = {**served, **acceptance_counts(before, spec_counters(llm.get_metrics()))}
+    return out
 
 
 if __name__ == "__main__":
