@@ -336,8 +336,6 @@ class DistillConfig:
         if self.teacher not in ("online", "stored"):
             out.append("distill.draft_kind=feature reads the target's hidden states, which no shard stores: "
                        "set distill.teacher=online, or run `make features` and set distill.teacher=stored")
-        if self.init != "scratch":
-            out.append("distill.draft_kind=feature trains from scratch: leave distill.init=scratch")
         if self.loss.get("ce"):
             out.append("distill.loss: 'ce' needs a head row for every sampled token, which a feature draft's "
                        "subset head lacks; use forward_kl, reverse_kl, jsd or tvd")

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from common.config import ConfigError, load_config
+from common.errors import UserError
 from common.models import load_model, load_tokenizer
 from decode.drafts.feature.model import FeatureDraft, is_feature_draft
 from decode.drafts.feature.shape import build_feature_draft, choose_feature_shape
@@ -274,3 +275,32 @@ def test_a_feature_draft_exports_its_weight_average(target_dir, data, tmp_path):
     assert len(exported) == len(average) and all(torch.equal(a, p) for a, (_, p) in zip(average, exported))
     trained = load_file(checkpoint / "model.safetensors")  # the training weights, which the average is not
     assert any(not torch.equal(trained[f"draft.{name}"], p) for name, p in exported)
+
+
+def test_a_run_goes_on_from_a_feature_draft(target_dir, data, tmp_path):
+    steps = ["distill.eval_every=0", "distill.save_every=0", "distill.lr=0.01", "distill.warmup_steps=1"]
+    run(target_dir, data, tmp_path / "first", "distill.max_steps=12", *steps)
+    first = FeatureDraft.load(tmp_path / "first" / "final")
+    # vocab_subset=0, as with a standalone init: the run keeps the init's head rows and weights.
+    run(target_dir, data, tmp_path / "next", "distill.max_steps=1", f"distill.init={tmp_path / 'first' / 'final'}",
+        "distill.vocab_subset=0", *steps)
+    after = FeatureDraft.load(tmp_path / "next" / "final")
+    assert torch.equal(after.draft_ids, first.draft_ids)
+    first_losses = [r["train/loss"] for r in rows(tmp_path / "first") if "train/loss" in r]
+    next_loss = [r["train/loss"] for r in rows(tmp_path / "next") if "train/loss" in r][0]
+    # The same seed from scratch would repeat the first run's first loss; from its weights it starts where it ended.
+    assert next_loss < 0.6 * first_losses[0] and next_loss < 1.2 * first_losses[-1]
+
+
+def test_a_feature_init_that_cannot_fit_is_refused_before_training(target_dir, data, tmp_path):
+    run(target_dir, data, tmp_path / "first", "distill.max_steps=1", "distill.eval_every=0", "distill.save_every=0")
+    with pytest.raises(UserError, match="distill.init: feature draft folder .* does not exist"):
+        run(target_dir, tmp_path / "no-data", tmp_path / "a", f"distill.init={tmp_path / 'missing'}",
+            "distill.vocab_subset=0")
+    with pytest.raises(UserError, match=r"set distill.feature_layers=\[0, 2\]"):
+        run(target_dir, tmp_path / "no-data", tmp_path / "b", f"distill.init={tmp_path / 'first' / 'final'}",
+            "distill.feature_layers=[0,1]", "distill.vocab_subset=0")
+    save_target(tmp_path / "wide", hidden=32)
+    with pytest.raises(UserError, match="does not fit the target: hidden size 64 vs the target's 32"):
+        run(tmp_path / "wide", tmp_path / "no-data", tmp_path / "c", f"distill.init={tmp_path / 'first' / 'final'}",
+            "distill.vocab_subset=0")

@@ -21,8 +21,11 @@ import torch
 from torch import nn
 
 from common.models import load_tokenizer, param_count
-from decode.drafts.feature.model import FeatureDraft
+from common.errors import UserError
+from decode.drafts.feature.model import (CONFIG_FILE, FeatureDraft, FeatureDraftConfig, check_target,
+                                         feature_draft_problem)
 from decode.drafts.feature.shape import build_feature_draft, choose_feature_shape, feature_layers
+from decode.vocab import VocabSubset
 from distill.checkpoint import latest_checkpoint
 from distill.export.hf import export_hf
 from distill.feature_store import FeatureSpec
@@ -66,9 +69,12 @@ class SavedAsFeatureDraft:
 
 class FeatureRecipe(DistillRecipe):
     def setup(self, resume: bool = True) -> bool:
-        """Refuse layers the target lacks, or a resume against another target, before any model loads."""
+        """Refuse layers the target lacks, a distill.init that is no feature draft of this target and these
+        layers, or a resume against another target, before any model loads."""
         config = target_config(self.config.target)
         self.layers = feature_layers(self.dc.feature_layers, config.num_hidden_layers, self.config.target)
+        if self.dc.init != "scratch":
+            self.check_init(config)
         identity = TargetIdentity.of(config, load_tokenizer(self.config.target))
         if resume and self.dc.resume and latest_checkpoint(self.out_dir) is not None:
             identity.check_resumes(self.out_dir, self.config.target)
@@ -85,8 +91,26 @@ class FeatureRecipe(DistillRecipe):
             self.stored = StoredFeatures(self.dc.data_dirs, FeatureSpec.of(self.config))
             self.say(f"stored features of layers {self.stored.spec.layers}")
 
+    def check_init(self, config) -> None:
+        """distill.init: a feature draft (best/ or final/ of a feature run) of this target reading these layers."""
+        problem = feature_draft_problem(self.dc.init)
+        if problem:
+            raise UserError(f"distill.init: {problem}; a feature draft starts from best/ or final/ of a feature run")
+        init = FeatureDraftConfig(**json.loads((Path(self.dc.init) / CONFIG_FILE).read_text()))
+        check_target(init, config, config.vocab_size)
+        if init.target_layers != self.layers:
+            raise UserError(f"distill.init reads the target's layers {init.target_layers}, this run's features are "
+                            f"of layers {self.layers}: set distill.feature_layers={init.target_layers}")
+
     def setup_draft(self, target) -> None:
         dc = self.dc
+        if dc.init != "scratch":
+            # Training goes on from its weights, head and vocabulary subset (vocab_subset and param_ratio are its).
+            draft = FeatureDraft.load(dc.init).float()
+            self.subset = VocabSubset(draft.draft_ids.clone(), draft.config.vocab_size, spread_other=False)
+            self.draft = UnrolledFeatureDraft(draft)
+            self.say(f"draft: {dc.init} (a feature draft, {param_count(draft) / 1e6:.2f}M params)")
+            return
         draft_config, shape = choose_feature_shape(target.config, param_count(target), dc.param_ratio, self.layers,
                                                    dc.vocab_subset, dc.feature_intermediate_size)
         # A feature draft's head has no "other" row to spread (distill.spread_other does not apply).

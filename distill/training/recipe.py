@@ -62,7 +62,8 @@ class DistillRecipe:
     loads, if any), `train()` runs the loop and the final export and returns the summary."""
 
     def __init__(self, config):
-        init = [] if config.distill.init == "scratch" else ["distill.init"]
+        # A feature draft's init is a FeatureDraft folder, not an HF model: FeatureRecipe checks it.
+        init = [] if config.distill.init == "scratch" or config.distill.draft_kind == "feature" else ["distill.init"]
         config.check_model_refs("target", *init)  # a mistyped path fails before any heavy work
         # 'auto' resolved once into the config the run writes and a resume compares (training/resume.py).
         self.precision = resolve_dtype(config.distill.precision, resolve_device(config.device), "distill.precision")
