@@ -205,7 +205,8 @@ def engine_lines(rows: list[dict], setup: dict) -> list[str]:
              "requests with up to B in flight (continuous batching), latency = mean time from a request joining "
              "to its last token. speedup = tokens/s ÷ the same engine's plain tokens/s at the same batch; "
              "α = accepted ÷ drafted tokens; τ = tokens per target forward; greedy identical = every output "
-             "equals the engine's plain batch-1 greedy output of its prompt; log p = the target's mean "
+             "equals the engine's plain batch-1 greedy output of its prompt (plot by batch: "
+             "`engines_serving.png`); log p = the target's mean "
              "log-probability per output token at that T (sampled outputs of a lossless engine score like "
              "its plain ones).", "",
              *[f"- {name}: {value}" for name, value in setup["files"].items()], "",
@@ -291,6 +292,30 @@ def _plot_serving(plt, rows: list[dict], path: Path) -> None:
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_xscale("log", base=2)
     ax.set(xlabel="batch size", ylabel="speedup over target-only (same batch)", title="Speculative decoding by batch size")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_engine_serving(rows: list[dict], path: Path) -> None:
+    """`make eval-engines` with batches > 1: each engine mode's speedup over the same engine's plain decoding
+    against batch size, one line per (engine, mode, k, T)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for line_key in sorted({(r["engine"], r["mode"], r["k"], r["temperature"]) for r in rows if r["mode"] != "plain"}):
+        line = sorted((r for r in rows if (r["engine"], r["mode"], r["k"], r["temperature"]) == line_key
+                       and r["speedup"] is not None), key=lambda r: r["batch"])
+        engine, mode, k, temperature = line_key
+        ax.plot([r["batch"] for r in line], [r["speedup"] for r in line], marker="o",
+                linestyle="-" if temperature == 0 else "--", label=f"{engine} {mode} k={k} T={temperature}")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="batch size", ylabel="speedup over the engine's plain decoding", title="Serving engines by batch size")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -97,6 +97,20 @@ def test_batched_rows_against_plain_at_their_batch_and_greedy_against_batch_1():
     assert rows[("plain", 1)]["greedy_identical"] is None  # the reference itself
 
 
+def test_batched_engine_rows_are_plotted_by_batch(tmp_path):
+    cfg = load_config("configs/tiny.yaml")
+    setup = {"command": "c", "date": "d", "threads": 1, "files": {}, "export_dir": "runs/x/export"}
+    rows = engine_rows([run("plain", [[1]], [1.0]), run("draft", [[1]], [0.5], accepted=0, drafted=1)])
+    (tmp_path / "one").mkdir()
+    add_to_report(tmp_path / "one", cfg, rows, setup)
+    assert not (tmp_path / "one" / "engines_serving.png").exists()  # batch 1 only: nothing to plot
+    rows += engine_rows([batched("plain", [[1], [1]], [1.0, 1.0], 1.0, 2),
+                         batched("draft", [[1], [1]], [0.5, 0.5], 0.5, 2, accepted=0, drafted=1)])
+    (tmp_path / "two").mkdir()
+    add_to_report(tmp_path / "two", cfg, rows, setup)
+    assert (tmp_path / "two" / "engines_serving.png").stat().st_size > 0
+
+
 def test_engine_rows_join_an_existing_report_without_replacing_it(tmp_path):
     (tmp_path / "report.json").write_text(json.dumps({"config": {"name": "x", "draft": "d", "target": "t",
                                                                  "eval": {"max_new_tokens": 8}},

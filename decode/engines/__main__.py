@@ -31,7 +31,7 @@ from decode.engines.llamacpp_engine import llamacpp_tools, run_llamacpp
 from decode.engines.rows import EngineRun, engine_rows
 from decode.engines.target_logprob import score_runs
 from decode.engines.vllm_engine import run_vllm, target_folder, vllm_python
-from decode.report import write_engines_markdown, write_markdown
+from decode.report import plot_engine_serving, write_engines_markdown, write_markdown
 
 
 RUNNERS = {"hf": run_hf, "vllm": run_vllm, "llamacpp": run_llamacpp}
@@ -96,6 +96,8 @@ def add_to_report(out_dir: Path, cfg: Config, rows: list[dict], setup: dict) -> 
         "config": config_to_dict(cfg), "git_sha": git_revision() or "unknown"}
     report["engines"], report["engines_setup"] = rows, setup
     path.write_text(json.dumps(report, indent=2, default=str))
+    if any(row["batch"] > 1 for row in rows):
+        plot_engine_serving(rows, out_dir / "engines_serving.png")
     if "results" in report:
         write_markdown(report, out_dir / "report.md")
     else:
