@@ -170,7 +170,7 @@ def test_a_draft_not_smaller_than_the_target_warns():
         setup(cfg)
 
 
-def test_serving_table_at_several_batch_sizes(tmp_path, one_thread):
+def test_serving_table_at_several_batch_sizes(tmp_path, one_thread, capsys):
     report = main(["--config", "configs/tiny.yaml", "draft=tiny:draft", "eval.prompts=[gsm8k]", "eval.num_prompts=3",
                    "eval.ks=[2]", "eval.hf_baselines=false", "eval.warmup=0", "eval.max_new_tokens=8",
                    "eval.serving_batches=[1, 3]", "eval.serving_p_min=0.3", "eval.serving_requests=8",
@@ -191,6 +191,9 @@ def test_serving_table_at_several_batch_sizes(tmp_path, one_thread):
     markdown = (tmp_path / "report.md").read_text()
     assert "## Serving (batch > 1)" in markdown and (tmp_path / "serving.png").stat().st_size > 0
     assert set(report["serving"]["pays_up_to"]) == {0.0, 0.7}
+    # The bar counts every request each method decodes: 2 batch sizes x 2 temperatures x 7 methods x 8 requests,
+    # its first unit batch 1's first group of 2.
+    assert "eval-speedup serving: the first 2 of 224 requests took" in capsys.readouterr().err
 
 
 @pytest.mark.filterwarnings("ignore:eval.dtype=bf16 on a device without native bf16")
