@@ -19,6 +19,7 @@ import sys
 import time
 
 import torch
+from tqdm import tqdm
 
 from common.config import ConfigError
 from common.progress import BatchProgress
@@ -114,9 +115,9 @@ def measure_serving(s, greedy_tokens: dict[tuple[str, str], list[int]]) -> list[
                 baseline = baseline or row["tok_s"]
                 row["speedup"] = row["tok_s"] / baseline
                 rows.append(row)
-                progress.bar.write(f"serving batch {batch} T={temperature} {name} k={k}: {row['tok_s']:.1f} tok/s "
-                                   f"({row['speedup']:.2f}x), tau {row['tau']:.2f}", file=sys.stderr)
-    progress.bar.close()
+                tqdm.write(f"serving batch {batch} T={temperature} {name} k={k}: {row['tok_s']:.1f} tok/s "
+                           f"({row['speedup']:.2f}x), tau {row['tau']:.2f}", file=sys.stderr)
+    progress.close()
     return rows
 
 
