@@ -68,7 +68,8 @@ def check_onpolicy(config: Config) -> str:
     """Refuse what cannot run before any model loads; returns round 1's starting draft."""
     if config.distill.draft_kind != "standalone":
         raise ConfigError("make onpolicy trains a standalone draft (distill.draft_kind=standalone); a feature "
-                          "draft's rollouts would need the target's features as it drafts, which it does not build")
+                          "draft already trains on its own proposals: distill.ttt_steps unrolls it on its own "
+                          "hidden states from the target's features, as it drafts in the decoder")
     if config.generate.teacher_topk < 1:
         raise ConfigError("make onpolicy stores the target's top-k over the draft's rollouts: set "
                           "generate.teacher_topk >= 1 (the training data's own top-k, so the folders mix)")
