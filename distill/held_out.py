@@ -1,6 +1,7 @@
 """Exact held-out acceptance of drafts, side by side in one process, against the target itself.
 
     python -m distill.held_out --config configs/smollm2.yaml --drafts runs/a/final runs/b/final
+    python -m distill.held_out --config configs/smollm2.yaml --drafts runs/smollm2/final runs/smollm2-feature/final
 
 What it measures and how: distill/held_out_acceptance.py.
 """
@@ -16,7 +17,8 @@ from common.config import load_config
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=None, help="YAML config: target, distill.data_dirs, eval_samples")
-    parser.add_argument("--drafts", nargs="+", required=True, help="draft folders (a run's final/ or best/)")
+    parser.add_argument("--drafts", nargs="+", required=True,
+                        help="draft folders (a run's final/ or best/), standalone or feature drafts")
     parser.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.7])
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides")

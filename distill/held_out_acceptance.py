@@ -14,6 +14,13 @@ vocabulary:
                the share of the target's argmaxes among them (1 for a full-vocabulary draft): how much
                a wider head could add (a spread "other" row covers the rest only uniformly)
 Contexts are the target's own completions (teacher-forced), as in decoding after each verification.
+
+A feature draft (decode/drafts/feature/) proposes from the target's hidden states, so its rows come from
+its own measure on the same held-out rows: the draft unrolled on its own outputs as it drafts in the
+decoder (distill/training/feature_eval.py), α_j = the acceptance of proposal j + 1 of a block given the
+first j were accepted, at T = 1 (Σ min(p, q), the target's full-vocabulary p) and greedy (the argmaxes
+agree), and τ(k) = 1 + α_0 + α_0·α_1 + ... (their chain product, not the i.i.d. formula). Tempering
+needs the target's whole vocabulary, which its teacher keeps only on the draft's rows: T = 1 and greedy only.
 """
 
 from __future__ import annotations
@@ -25,9 +32,13 @@ import torch
 
 from common.config import ConfigError
 from common.models import check_tokenizers, load_model, load_tokenizer, reference_problem
+from decode.drafts.feature.model import FeatureDraft, check_target, feature_draft_problem, is_feature_draft
 from decode.stats import expected_tau
 from decode.vocab import VocabSubset
 from distill.data import collate, held_out_subset, load_examples
+from distill.training.feature import UnrolledFeatureDraft
+from distill.training.feature_eval import tau_from_step_alphas
+from distill.training.feature_teacher import FeatureTeacher, step_masks
 from distill.training.teacher import Teacher, draft_row_logits
 
 
@@ -72,6 +83,37 @@ def held_out_acceptance(target, drafts: dict[str, torch.nn.Module], batches, tem
     return results
 
 
+@torch.no_grad()
+def feature_held_out_acceptance(target, draft: FeatureDraft, batches, tau_k: int) -> dict:
+    """{'alpha_T1', 'alpha_greedy' (proposal 1's), 'tau_k<k>_T1', 'tau_k<k>_greedy', 'alpha_steps_T1',
+    'alpha_steps_greedy' (proposals 1..k), 'head_mass', 'head_greedy', 'tokens'} of one feature draft."""
+    subset_ids = draft.draft_ids
+    teacher = FeatureTeacher(target, draft.config.target_layers, subset_ids, dtype=torch.float32)
+    unrolled = UnrolledFeatureDraft(draft.float())
+    sums = torch.zeros(3, tau_k, dtype=torch.float64)  # per proposal position: tokens, Σ min(p, q), argmaxes agree
+    head = torch.zeros(2, dtype=torch.float64)  # proposal 1's tokens: target mass on the rows, argmaxes there
+    for batch in batches:
+        features = teacher(batch)
+        masks = step_masks(features.positions, tau_k)
+        for j, (mask, logits) in enumerate(zip(masks, unrolled(features.hidden, features.embeds, masks))):
+            rows = mask[features.positions]
+            target_logp = features.target_logp[rows]
+            accepted = torch.minimum(torch.softmax(logits.float(), -1), target_logp.exp()).sum()
+            agree = (subset_ids[logits.argmax(-1)] == features.target_top1[rows]).sum()
+            sums[:, j] += torch.stack([rows.sum(), accepted, agree]).double()
+            if j == 0:
+                in_head = torch.isin(features.target_top1, subset_ids).sum()
+                head += torch.stack([target_logp.exp().sum(), in_head]).double()
+    tokens = sums[0].clamp(min=1)
+    steps_t1, steps_greedy = (sums[1] / tokens).tolist(), (sums[2] / tokens).tolist()
+    return {"alpha_T1": steps_t1[0], "alpha_greedy": steps_greedy[0],
+            f"tau_k{tau_k}_T1": tau_from_step_alphas(steps_t1, tau_k),
+            f"tau_k{tau_k}_greedy": tau_from_step_alphas(steps_greedy, tau_k),
+            "alpha_steps_T1": steps_t1, "alpha_steps_greedy": steps_greedy,
+            "head_mass": float(head[0] / tokens[0]), "head_greedy": float(head[1] / tokens[0]),
+            "tokens": int(sums[0, 0])}
+
+
 def held_out_batches(config, tokenizer):
     """The held-out rows training evaluates on, in batches of ROWS_PER_BATCH."""
     dc = config.distill
@@ -87,26 +129,46 @@ def table(results: dict[str, dict], temperatures: list[float], tau_k: int) -> st
     head = "| draft | " + " | ".join(columns) + " |"
     lines = [head, "|---" * (3 + 2 * len(labels)) + "|"]
     for name, r in results.items():
-        cells = [f"{r[f'alpha_{label}']:.4f} | {r[f'tau_k{tau_k}_{label}']:.3f}" for label in labels]
+        cells = [f"{r[f'alpha_{label}']:.4f} | {r[f'tau_k{tau_k}_{label}']:.3f}" if f"alpha_{label}" in r else "– | –"
+                 for label in labels]
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {r['head_mass']:.4f} | {r['head_greedy']:.4f} |")
     return "\n".join(lines)
 
 
 
+def draft_problem(path: str) -> str | None:
+    """Why a --drafts folder cannot load (a feature draft's or a model folder's check), without loading it."""
+    return feature_draft_problem(path) if is_feature_draft(path) else reference_problem(path)
+
+
 def compare(config, draft_paths: list[str], temperatures: list[float], json_path: str | None) -> dict:
-    """Load the target and every draft (refusing a missing one before any loads), measure, print the table."""
+    """Load the target and every draft (refusing a missing one before any loads), measure, print the table
+    (feature drafts' rows after the others', with their α per proposal position below it)."""
     config.check_model_refs("target")
     tokenizer = load_tokenizer(config.target)
-    problems = [f"--drafts: {problem}" for path in draft_paths if (problem := reference_problem(path))]
+    problems = [f"--drafts: {problem}" for path in draft_paths if (problem := draft_problem(path))]
     if problems:
         raise ConfigError("\n".join(problems))
-    drafts = {}
+    target = load_model(config.target)
+    drafts, feature_drafts = {}, {}
     for path in draft_paths:
         check_tokenizers(tokenizer, load_tokenizer(path))
-        drafts[path] = load_model(path)
-    results = held_out_acceptance(load_model(config.target), drafts, held_out_batches(config, tokenizer),
-                                  temperatures, config.distill.tau_k)
-    print(table(results, temperatures, config.distill.tau_k))
+        if is_feature_draft(path):
+            feature_drafts[path] = FeatureDraft.load(path)
+            check_target(feature_drafts[path].config, target.config, target.config.vocab_size)
+        else:
+            drafts[path] = load_model(path)
+    tau_k = config.distill.tau_k
+    results = {}
+    if drafts:
+        results = held_out_acceptance(target, drafts, held_out_batches(config, tokenizer), temperatures, tau_k)
+    for path, draft in feature_drafts.items():
+        results[path] = feature_held_out_acceptance(target, draft, held_out_batches(config, tokenizer), tau_k)
+    print(table(results, temperatures, tau_k))
+    for path in feature_drafts:
+        steps = " / ".join(f"{a:.3f}" for a in results[path]["alpha_steps_T1"])
+        greedy = " / ".join(f"{a:.3f}" for a in results[path]["alpha_steps_greedy"])
+        print(f"{path}: α per proposal position 1..{tau_k}: T = 1 {steps}; greedy {greedy}")
     if json_path:
         Path(json_path).write_text(json.dumps(results, indent=1))
     return results

@@ -18,6 +18,7 @@ from common.models import load_model, load_tokenizer
 from decode.drafts.feature.model import FeatureDraft, is_feature_draft
 from decode.drafts.feature.shape import build_feature_draft, choose_feature_shape
 from distill.checkpoint import latest_checkpoint
+from distill.held_out import main as held_out_main
 from distill.train import train
 from distill.training.feature import FeatureRecipe
 from distill.training.feature_eval import tau_from_step_alphas
@@ -304,3 +305,29 @@ def test_a_feature_init_that_cannot_fit_is_refused_before_training(target_dir, d
     with pytest.raises(UserError, match="does not fit the target: hidden size 64 vs the target's 32"):
         run(tmp_path / "wide", tmp_path / "no-data", tmp_path / "c", f"distill.init={tmp_path / 'first' / 'final'}",
             "distill.vocab_subset=0")
+
+
+def test_held_out_measures_a_feature_draft_as_its_run_does(target_dir, data, tmp_path, capsys):
+    """`python -m distill.held_out` on a feature draft's final/ gives its run's last evaluation (the same held-out
+    rows, the draft unrolled the same way): α per proposal position, τ(4) and top-1 agreement, in one table
+    with a standalone draft (here the target itself), whose tempered columns the feature row leaves empty."""
+    run(target_dir, data, tmp_path / "run", "distill.max_steps=3", "distill.eval_every=0", "distill.save_every=0")
+    last = [r for r in rows(tmp_path / "run") if "eval/alpha" in r][-1]
+    standalone, final = tmp_path / "standalone", tmp_path / "run" / "final"
+    load_model(str(target_dir)).save_pretrained(standalone)
+    load_tokenizer(str(target_dir)).save_pretrained(standalone)
+    overrides = [f"target={target_dir}", f"distill.data_dirs=[{data}]", "distill.eval_samples=8"]
+    results = held_out_main(["--config", str(ROOT / "configs/tiny.yaml"), *overrides, "--drafts", str(standalone),
+                             str(final)])
+    feature = results[str(final)]
+    assert feature["alpha_steps_T1"] == pytest.approx([last[f"eval/alpha_step{j}"] for j in range(4)], rel=1e-4)
+    assert feature["tau_k4_T1"] == pytest.approx(last["eval/tau_k4"], rel=1e-4)
+    assert feature["alpha_greedy"] == pytest.approx(last["eval/top1"], rel=1e-4)
+    assert len(feature["alpha_steps_greedy"]) == 4 and "alpha_T0.7" not in feature
+    assert results[str(standalone)]["alpha_T1"] == pytest.approx(1.0)
+    assert f"| {final} | {feature['alpha_T1']:.4f} | {feature['tau_k4_T1']:.3f} | – | – |" in capsys.readouterr().out
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "feature_draft.json").write_text((final / "feature_draft.json").read_text())
+    with pytest.raises(ConfigError, match="--drafts: feature draft folder .* has no model.safetensors"):
+        held_out_main(["--config", str(ROOT / "configs/tiny.yaml"), *overrides, "--drafts", str(broken)])
