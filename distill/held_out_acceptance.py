@@ -36,6 +36,7 @@ from decode.drafts.feature.model import FeatureDraft, check_target, feature_draf
 from decode.stats import expected_tau
 from decode.vocab import VocabSubset
 from distill.data import collate, held_out_subset, load_examples
+from distill.losses import acceptance
 from distill.training.feature import UnrolledFeatureDraft
 from distill.training.feature_eval import tau_from_step_alphas
 from distill.training.feature_teacher import FeatureTeacher, step_masks
@@ -98,7 +99,8 @@ def feature_held_out_acceptance(target, draft: FeatureDraft, batches, tau_k: int
         for j, (mask, logits) in enumerate(zip(masks, unrolled(features.hidden, features.embeds, masks))):
             rows = mask[features.positions]
             target_logp = features.target_logp[rows]
-            accepted = torch.minimum(torch.softmax(logits.float(), -1), target_logp.exp()).sum()
+            every = torch.ones(target_logp.shape[0], dtype=torch.bool, device=target_logp.device)
+            accepted = acceptance(torch.log_softmax(logits.float(), -1), target_logp, every)[0]
             agree = (subset_ids[logits.argmax(-1)] == features.target_top1[rows]).sum()
             sums[:, j] += torch.stack([rows.sum(), accepted, agree]).double()
             if j == 0:
