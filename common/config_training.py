@@ -50,6 +50,10 @@ class GenerateConfig:
     for gsm8k's human-written solutions, 'solution' for pycode's whole functions). Each prompt then gets
     the chat template and the target is teacher-forced over its response + EOS (distill/generation/pairs.py).
     None: score raw text."""
+    features: bool = False
+    """Score mode: also store the hidden states a feature draft reads (distill.feature_layers), from the scoring
+    forward itself, in <out_dir>/features/ as `make features` writes them; the target then runs in
+    distill.precision, which must resolve to generate.dtype (distill/generation/feature_scoring.py)."""
     rollout_draft: str | None = None
     """On-policy data: a draft folder (a run's final/) that samples every completion in place of the
     target, which then scores it: its top-k per token at prefill cost, for training that draft further
@@ -116,6 +120,11 @@ class GenerateConfig:
                 out.append(f"generate.{name} must be >= 1")
         if self.response_field is not None and self.mode != "score":
             out.append("generate.response_field is read in score mode only: set generate.mode=score")
+        if self.features and self.mode != "score":
+            out.append("generate.features stores the scoring forward's hidden states: it needs generate.mode=score "
+                       "(for generated data run `make features` after generate-data)")
+        if self.features and self.engine == "vllm":
+            out.append("generate.features runs on the project engine: set generate.engine=project or auto")
         if self.rollout_draft is not None and self.mode != "generate":
             out.append("generate.rollout_draft samples completions with the draft: it needs generate.mode=generate")
         if self.rollout_draft is not None and self.teacher_topk <= 0:

@@ -123,8 +123,9 @@ def check_folder(data_dir: str | Path, spec: FeatureSpec) -> bool:
 
 
 @torch.no_grad()
-def row_hidden(target, rows: list[list[int]], layers: list[int], device) -> list[torch.Tensor]:
-    """[len(row), L, H] bf16 (on the CPU) per row: one right-padded forward with an attention mask."""
+def teacher_forced_hidden(target, rows: list[list[int]], layers: list[int], device) -> torch.Tensor:
+    """[B, longest row, L, H] in the target's dtype: the outputs of decoder `layers` (the last one after the final
+    norm) over each row, right-padded, in one forward with an attention mask."""
     length = max(len(r) for r in rows)
     ids = torch.zeros((len(rows), length), dtype=torch.long)
     mask = torch.zeros((len(rows), length), dtype=torch.long)
@@ -135,7 +136,12 @@ def row_hidden(target, rows: list[list[int]], layers: list[int], device) -> list
     # contiguous: the head cost twice the decoder.)
     _, hidden = forward_keeping_layers(target.get_decoder(), layers, input_ids=ids.to(device),
                                        attention_mask=mask.to(device), use_cache=False)
-    hidden = hidden.to("cpu", torch.bfloat16)
+    return hidden
+
+
+def row_hidden(target, rows: list[list[int]], layers: list[int], device) -> list[torch.Tensor]:
+    """[len(row), L, H] bf16 (on the CPU) per row, as a features file stores it."""
+    hidden = teacher_forced_hidden(target, rows, layers, device).to("cpu", torch.bfloat16)
     return [hidden[b, :len(row)] for b, row in enumerate(rows)]
 
 
@@ -170,9 +176,15 @@ def write_features(target, path: Path, digest: tuple[str, int], layers: list[int
         for r, states in zip(chosen, row_hidden(target, [sequences[r] for r in chosen], layers, device)):
             hidden[r] = states
         progress.batch_done(len(chosen), sum(len(sequences[r]) for r in chosen))
-    lengths = torch.tensor([0] + [len(s) for s in sequences])
+    save_features(path, digest, hidden)
+
+
+def save_features(shard: Path, digest: tuple[str, int], hidden: list[torch.Tensor]) -> None:
+    """Shard `shard`'s features file from its rows' [len(row), L, H] bf16 states, in shard order: written to a
+    temporary name and renamed, so it is complete or absent."""
+    lengths = torch.tensor([0] + [len(h) for h in hidden])
     tensors = {"hidden": torch.cat(hidden).contiguous(), "offsets": lengths.cumsum(0)}
-    file = features_file(path)
+    file = features_file(shard)
     remove_stale_temp(file)  # what a killed run left
     tmp = file.with_name(f".{file.name}.tmp-{os.getpid()}")
     save_file(tensors, tmp, metadata={"shard_sha256": digest[0], "rows": str(digest[1])})

@@ -95,17 +95,24 @@ def score_batch(runner, prompts: list[list[int]], completions: list[list[int]],
              for j in range(len(c))]
     index_b = torch.tensor([b for b, _ in where], dtype=torch.long)
     index_slot = torch.tensor([s for _, s in where], dtype=torch.long)
-    ids_parts, logprob_parts = [], []
-    for start in range(0, len(where), SCORE_HEAD_POSITIONS):
-        chunk = slice(start, start + SCORE_HEAD_POSITIONS)
-        logits = runner.logits(hidden[index_b[chunk], index_slot[chunk]])  # [n, V]
-        values, ids = logits.log_softmax(-1).topk(teacher_topk, dim=-1)
-        ids_parts.append(ids.to(torch.int32).cpu())
-        logprob_parts.append(values.cpu())
-    ids_all = torch.cat(ids_parts).numpy() if ids_parts else np.zeros((0, teacher_topk), np.int32)
-    logprobs_all = torch.cat(logprob_parts).numpy() if logprob_parts else np.zeros((0, teacher_topk), np.float32)
+    ids_all, logprobs_all = head_topk(runner.logits, hidden[index_b, index_slot], teacher_topk)
     out, offset = [], 0
     for c in completions:
         out.append((ids_all[offset:offset + len(c)], logprobs_all[offset:offset + len(c)]))
         offset += len(c)
     return out
+
+
+def head_topk(logits_of, hidden: torch.Tensor, teacher_topk: int) -> tuple[np.ndarray, np.ndarray]:
+    """(int32 ids, float32 logprobs) [n, teacher_topk] of the target's distribution at each of the n positions of
+    hidden [n, H] (final-normed states), logits_of mapping [m, H] to [m, V]; the head runs over
+    SCORE_HEAD_POSITIONS positions at a time."""
+    ids_parts, logprob_parts = [], []
+    for start in range(0, len(hidden), SCORE_HEAD_POSITIONS):
+        logits = logits_of(hidden[start:start + SCORE_HEAD_POSITIONS].contiguous())  # [m, V]
+        values, ids = logits.float().log_softmax(-1).topk(teacher_topk, dim=-1)
+        ids_parts.append(ids.to(torch.int32).cpu())
+        logprob_parts.append(values.cpu())
+    if not ids_parts:
+        return np.zeros((0, teacher_topk), np.int32), np.zeros((0, teacher_topk), np.float32)
+    return torch.cat(ids_parts).numpy(), torch.cat(logprob_parts).numpy()

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+import torch
 
 from common.sampling import SamplingParams
 from distill.generation.plan import Row
@@ -30,6 +31,9 @@ class Completion:
     """int32 [n, K]: the target's K most likely tokens before each completion token."""
     topk_logprobs: np.ndarray | None = None
     """float32 [n, K]: their log-probabilities at temperature 1 (log_softmax of raw logits)."""
+    hidden: torch.Tensor | None = None
+    """bf16 [prompt + completion tokens, L, H]: the states a feature draft reads (score mode with
+    generate.features: feature_scoring.py), written to the shard's features file."""
 
 
 class Engine(Protocol):

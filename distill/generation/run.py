@@ -28,14 +28,17 @@ from common.precision import resolve_dtype
 from common.progress import BatchProgress
 from common.tracking import start_wandb
 from decode.runners import make_batched_runner
+from distill.feature_store import FeatureSpec, features_dir, load_target, save_features
 from distill.generation.engine import Completion, Engine, eos_ids
 from distill.generation.engine_choice import choose_engine
+from distill.generation.feature_scoring import FeatureScoringEngine, features_spec, fill_missing
 from distill.generation.manifest import write_manifest
 from distill.generation.plan import Row, check_or_write_plan, fingerprint, plan_rows, plan_shards
 from distill.generation.ranks import Ranks
 from distill.generation.rollout import check_rollout_draft, rollout_engine, rollout_record
 from distill.generation.runner_engine import RunnerEngine
-from distill.generation.shards import check_shard_readable, remove_stale_temp, rows_to_table, shard_name, write_shard
+from distill.generation.shards import check_shard_readable, remove_stale_temp, rows_to_table, sha256_file, shard_name, \
+    write_shard
 from distill.generation.vllm_engine import VllmEngine
 
 
@@ -62,10 +65,18 @@ def run(config: Config) -> dict | None:
         tokenizer = load_tokenizer(config.target)
         if g.rollout_draft is not None:
             check_rollout_draft(config, tokenizer)
+        if g.features and choice.name == "vllm":
+            raise ConfigError(f"generate.features runs on the project engine: {g.out_dir} was started with vLLM")
+        spec = features_spec(config, ranks.device, dtype.name) if g.features else None
         if choice.name == "vllm":
             # Not started yet: the plan and resume check come first, and a finished folder never starts vLLM.
             engine = cleanup.enter_context(VllmEngine(config, choice.vllm_version, tokenizer, cpu=cpu))
             context_length = engine.context_length
+        elif spec is not None:
+            model = load_target(config, ranks.device)
+            engine = FeatureScoringEngine(model, spec.layers, eos_ids(tokenizer, model.generation_config),
+                                          g.batch_size, config.distill.feature_batch_tokens, ranks.device)
+            context_length = getattr(model.config, "max_position_embeddings", None)
         else:
             model, runner = load_runner(config, ranks.device)
             engine = RunnerEngine(runner, eos_ids(tokenizer, model.generation_config), g.batch_size,
@@ -81,6 +92,8 @@ def run(config: Config) -> dict | None:
         if choice.name == "vllm":
             start_vllm(engine, out_dir, run_fingerprint, shards, ranks)
         start_or_resume(out_dir, config, run_fingerprint, ranks)
+        if spec is not None:
+            start_features(spec, engine, out_dir, shards, ranks)
         todo = missing_shards(out_dir, shards, ranks, g.stop_after_shards)
 
         tracker = start_wandb(config.wandb.mode, config.wandb.project, f"{config.name}-generate", out_dir / "wandb",
@@ -138,6 +151,17 @@ def start_or_resume(out_dir: Path, config: Config, run_fingerprint: dict, ranks:
     check_or_write_plan(out_dir, run_fingerprint, write=False)
 
 
+def start_features(spec: FeatureSpec, engine: FeatureScoringEngine, out_dir: Path, shards: list[list[Row]],
+                   ranks: Ranks) -> None:
+    """generate.features: rank 0 records what the folder's features are for, then every rank gives its shards
+    already on disk the features file they lack."""
+    if ranks.rank == 0:
+        spec.write(features_dir(out_dir))
+    ranks.barrier()
+    fill_missing(engine.target, spec, out_dir, {i: len(rows) for i, rows in enumerate(shards) if ranks.owns(i)},
+                 (engine.batch_size, engine.max_tokens), engine.device)
+
+
 def missing_shards(out_dir: Path, shards: list[list[Row]], ranks: Ranks, stop_after: int) -> list[int]:
     """This rank's shards not on disk yet (at most stop_after of them when > 0). A killed write's
     temp file is removed; a shard on disk must open with the planned row count (CorruptShardError)."""
@@ -166,10 +190,14 @@ def write_shards(engine: Engine, shards: list[list[Row]], todo: list[int], confi
     # batch full); each shard is written as soon as its rows are back.
     stream = chain.from_iterable(counted(completions(engine, rows, config), progress))
     for i in todo:
-        shard_start, records = time.perf_counter(), []
+        shard_start, records, hidden = time.perf_counter(), [], []
         for row, completion in zip(shards[i], islice(stream, len(shards[i])), strict=True):
             records.append(shard_record(row, g.mode, completion))
-        write_shard(rows_to_table(records, g.teacher_topk), out_dir / shard_name(i))
+            hidden.append(completion.hidden)
+        path = out_dir / shard_name(i)
+        write_shard(rows_to_table(records, g.teacher_topk), path)
+        if g.features:  # after the shard: its digest names the shard the states belong to
+            save_features(path, (sha256_file(path), len(records)), hidden)
         if tracker is not None:
             shard_tokens = sum(len(r["completion_ids"]) for r in records)
             tracker.log({"shard": i, "tokens": shard_tokens,
