@@ -4,7 +4,9 @@ generate-data hands an engine every row it has to do, in shard order, and writes
 rows come back; it never sees tokens, caches or batches, so another engine (vLLM, a server) can
 stand behind it without reproducing the token-level interface.
 Two implementations: `runner_engine.RunnerEngine` (the project's batched runner and token loop) and
-`vllm_engine.VllmEngine` (vLLM in its own environment, behind a worker process).
+`vllm_engine.VllmEngine` (vLLM in its own environment, behind a worker process); score mode with
+generate.features uses `feature_scoring.FeatureScoringEngine`, which also returns the stored states of a
+feature draft.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ Each rank (RANK/WORLD_SIZE from torchrun; one plain process otherwise) owns shar
 i % world_size == rank and writes them atomically; a rerun after a kill finishes only the shards
 that are missing. Rank 0 writes manifest.json once every rank has passed the final barrier.
 generate.engine picks the project's batched runner or vLLM (a worker process in vLLM's own
-environment); both write the same shards.
+environment); both write the same shards. Score mode with generate.features also writes each shard's
+features file (a feature draft's stored teacher) from the scoring forward, right after the shard.
 """
 
 from __future__ import annotations
@@ -92,9 +93,9 @@ def run(config: Config) -> dict | None:
         if choice.name == "vllm":
             start_vllm(engine, out_dir, run_fingerprint, shards, ranks)
         start_or_resume(out_dir, config, run_fingerprint, ranks)
-        if spec is not None:
-            start_features(spec, engine, out_dir, shards, ranks)
         todo = missing_shards(out_dir, shards, ranks, g.stop_after_shards)
+        if spec is not None:  # after missing_shards: the shards on disk have been checked readable
+            start_features(spec, engine, out_dir, shards, ranks)
 
         tracker = start_wandb(config.wandb.mode, config.wandb.project, f"{config.name}-generate", out_dir / "wandb",
                               config_to_dict(config), job_type="generate-data") if ranks.rank == 0 else None
