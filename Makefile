@@ -50,8 +50,8 @@ demo: setup
 	$(MAKE) eval-speedup CONFIG=configs/smollm2.yaml ARGS="$(ARGS)"
 
 # The feature draft (configs/smollm2-feature.yaml) on the demo's data: generate-data skips what the demo
-# made, then the stored teacher's hidden states, 600 training steps and its eval-speedup (~32 minutes
-# after the demo's data on 2 CPU cores).
+# made (or, run first, keeps the stored teacher's hidden states as it samples), then the states the data
+# lacks, 600 training steps and its eval-speedup (~32 minutes after the demo's data on 2 CPU cores).
 FEATURE_CONFIG ?= configs/smollm2-feature.yaml
 demo-feature: setup
 	$(MAKE) generate-data CONFIG=$(FEATURE_CONFIG) ARGS="$(ARGS)"

@@ -51,9 +51,12 @@ class GenerateConfig:
     the chat template and the target is teacher-forced over its response + EOS (distill/generation/pairs.py).
     None: score raw text."""
     features: bool = False
-    """Score mode: also store the hidden states a feature draft reads (distill.feature_layers), from the scoring
-    forward itself, in <out_dir>/features/ as `make features` writes them; the target then runs in
-    distill.precision, which must resolve to generate.dtype (distill/generation/feature_scoring.py)."""
+    """Also store the hidden states a feature draft reads (distill.feature_layers) in <out_dir>/features/ as
+    `make features` writes them, from the forwards that make the data, so no second pass of the target is
+    needed: in score mode the scoring forward (the target in distill.precision: distill/generation/
+    feature_scoring.py), in generate mode the sampling runner's prefill and steps (the lean runner:
+    generate.backend lean or auto). distill.precision must resolve to generate.dtype. Shards made without them
+    get theirs, by `make features`' pass, when the folder is resumed with this on."""
     rollout_draft: str | None = None
     """On-policy data: a draft folder (a run's final/) that samples every completion in place of the
     target, which then scores it: its top-k per token at prefill cost, for training that draft further
@@ -120,9 +123,12 @@ class GenerateConfig:
                 out.append(f"generate.{name} must be >= 1")
         if self.response_field is not None and self.mode != "score":
             out.append("generate.response_field is read in score mode only: set generate.mode=score")
-        if self.features and self.mode != "score":
-            out.append("generate.features stores the scoring forward's hidden states: it needs generate.mode=score "
-                       "(for generated data run `make features` after generate-data)")
+        if self.features and self.rollout_draft is not None:
+            out.append("generate.features stores the target's states for a feature draft; generate.rollout_draft "
+                       "rollouts train a standalone draft: set one of them")
+        if self.features and self.mode == "generate" and self.backend == "hf":
+            out.append("generate.features in generate mode keeps the lean runner's states: set generate.backend=lean "
+                       "or auto (or run `make features` after generate-data)")
         if self.features and self.engine == "vllm":
             out.append("generate.features runs on the project engine: set generate.engine=project or auto")
         if self.rollout_draft is not None and self.mode != "generate":

@@ -95,9 +95,6 @@ def test_a_folder_scored_without_features_gets_them_when_resumed_with_them(pairs
 
 
 def test_bad_settings_fail_before_any_model_loads(pairs, tmp_path, monkeypatch):
-    with pytest.raises(ConfigError, match="generate.features .* needs generate.mode=score"):
-        config(tmp_path / "a", pairs, "generate.features=true", "generate.mode=generate",
-               "generate.response_field=null").validate()
     with pytest.raises(ConfigError, match="generate.features runs on the project engine"):
         config(tmp_path / "a", pairs, "generate.features=true", "generate.engine=vllm").validate()
 

@@ -43,19 +43,25 @@ def make_runner(model: torch.nn.Module, vocab_size: int, backend: str = "auto",
     return lean
 
 
-def make_batched_runner(model: torch.nn.Module, backend: str = "auto",
-                        matmul_dtype: torch.dtype | None = None) -> BatchedRunner:
+def make_batched_runner(model: torch.nn.Module, backend: str = "auto", matmul_dtype: torch.dtype | None = None,
+                        hidden_layers: Sequence[int] = ()) -> BatchedRunner:
     """The batched runner for a target: 'lean' (the lean Llama forward; refuses other models), 'hf' (the
     Hugging Face forward), or 'auto': lean where supported, else hf.
 
     matmul_dtype (e.g. torch.bfloat16): the lean runner keeps the model's weights and residual stream
-    and runs only its GEMMs in this dtype; the HF runner casts the whole model to it."""
+    and runs only its GEMMs in this dtype; the HF runner casts the whole model to it. hidden_layers: decoder
+    layers whose outputs every forward keeps in `runner.hidden_states` (the lean runner only)."""
     if backend not in ("auto", "lean", "hf"):
         raise ValueError(f"unknown backend {backend!r}; use 'auto', 'lean' or 'hf'")
     if VocabSubset.of(model) is not None:
         raise ValueError("batched runners serve targets; this is a vocabulary-subset draft")
+    if hidden_layers and not lean_supported(model):
+        raise ValueError(f"only the lean batched runner keeps hidden states, and it does not support "
+                         f"{type(model).__name__}")
     if backend == "hf" or (backend == "auto" and not lean_supported(model)):
+        if hidden_layers:
+            raise ValueError("only the lean batched runner keeps hidden states: use backend 'lean' or 'auto'")
         return HFBatchedRunner(model if matmul_dtype is None else model.to(matmul_dtype))
     if not lean_supported(model):
         raise ValueError(f"the lean batched runner does not support {type(model).__name__}")
-    return LeanBatchedRunner(model, matmul_dtype)
+    return LeanBatchedRunner(model, matmul_dtype, tuple(hidden_layers))

@@ -94,9 +94,11 @@ class BatchedCache:
 class LeanBatchedRunner:
     """prefill(rows) -> last-position logits; step(tokens) -> next logits; keep(rows) drops rows.
 
-    For targets: a vocabulary-subset draft is refused."""
+    For targets: a vocabulary-subset draft is refused. hidden_layers: decoder layers whose outputs each
+    prefill and step also keep in `hidden_states` (the last layer's after the final norm), as
+    generate.features stores them for a feature draft."""
 
-    def __init__(self, model, matmul_dtype: torch.dtype | None = None):
+    def __init__(self, model, matmul_dtype: torch.dtype | None = None, hidden_layers: tuple[int, ...] = ()):
         """matmul_dtype=torch.bfloat16 runs every GEMM in bf16 (fp32 accumulation) on bf16 copies of the
         weight matrices and keeps the cache's keys and values in bf16; the residual stream, norms and
         logits keep the model's dtype.
@@ -111,6 +113,10 @@ class LeanBatchedRunner:
         self.cache_dtype = matmul_dtype or self.core.dtype
         tune_batched_layouts(self.core.projections())
         self.cache: BatchedCache | None = None
+        self.hidden_layers = tuple(hidden_layers)
+        self.hidden_states: torch.Tensor | None = None
+        """With hidden_layers: after prefill [B, L, len(hidden_layers), H] of every slot (pads included, as
+        zeros), after step [B, len(hidden_layers), H] of the token fed; in the residual stream's dtype."""
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -131,16 +137,19 @@ class LeanBatchedRunner:
         for b, p in enumerate(prompts):
             ids[b, L - len(p):] = torch.tensor(p, dtype=torch.long)
         self.cache = BatchedCache(self.core, pad, L, capacity, self.cache_dtype)
-        out = []
+        out, kept_states = [], []
         for rows in self._chunks(prompts):
             # Each chunk is padded only to its own longest prompt: its rows use slots start..L-1.
             start = L - max(len(p) for p in prompts[rows])
             positions, window = self.cache.prefill_window(rows, start)
-            x, _ = self.core.decoder_layers(ids[rows, start:], positions, self.cache, window)
+            x, kept = self.core.decoder_layers(ids[rows, start:], positions, self.cache, window, self.hidden_layers)
             hidden = self.core.norm(x)  # [b, L - start, H]
             if all_hidden:  # back to [b, L, H] so every row's slots line up
                 hidden = F.pad(hidden, (0, 0, start, 0))
             out.append(hidden if all_hidden else self.core.logits(hidden[:, -1]))
+            if kept:
+                kept_states.append(F.pad(torch.stack(kept, dim=2), (0, 0, 0, 0, start, 0)))  # [b, L, layers, H]
+        self.hidden_states = torch.cat(kept_states) if kept_states else None
         return torch.cat(out)
 
     @staticmethod
@@ -158,10 +167,13 @@ class LeanBatchedRunner:
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per live row [B] at the next slot -> fp32 logits [B, V]."""
         positions, window = self.cache.step_window()
-        x, _ = self.core.decoder_layers(tokens[:, None], positions, self.cache, window)
+        x, kept = self.core.decoder_layers(tokens[:, None], positions, self.cache, window, self.hidden_layers)
         self.cache.length += 1
+        self.hidden_states = torch.stack(kept, dim=1)[:, :, 0] if kept else None  # [B, layers, H]
         return self.core.logits(self.core.norm(x[:, 0]))
 
     def keep(self, rows: torch.Tensor) -> None:
         """Keep only cache rows `rows` (in that order): finished rows stop costing compute."""
         self.cache.keep(rows)
+        if self.hidden_states is not None:
+            self.hidden_states = self.hidden_states[rows]

@@ -27,8 +27,13 @@ SCORE_HEAD_POSITIONS = 2048
 
 def generate_batch(runner, prompts: list[list[int]], uniforms: torch.Tensor, *, max_new_tokens: int,
                    sampling: SamplingParams, eos_ids: list[int], teacher_topk: int = 0) -> list[Completion]:
-    """Sample one completion per prompt. uniforms: [B, max_new_tokens] in [0, 1)."""
+    """Sample one completion per prompt. uniforms: [B, max_new_tokens] in [0, 1).
+
+    A runner with hidden_layers (generate.features) also gives each completion the states of its prompt and
+    completion tokens (Completion.hidden, bf16 on the CPU): the prefill's and every step's, and one more step
+    feeds each row's last token, which sampling alone never feeds."""
     B = len(prompts)
+    keep_states = bool(getattr(runner, "hidden_layers", ()))
     logits = prefill_shared(runner, prompts, capacity=max(map(len, prompts)) + max_new_tokens)  # [B, V]
     device = logits.device
     eos = torch.tensor(eos_ids)
@@ -37,6 +42,7 @@ def generate_batch(runner, prompts: list[list[int]], uniforms: torch.Tensor, *, 
     finished_eos = torch.zeros(B, dtype=torch.bool)
     topk_ids = torch.zeros(B, max_new_tokens, teacher_topk, dtype=torch.int32)
     topk_logprobs = torch.zeros(B, max_new_tokens, teacher_topk, dtype=torch.float32)
+    states = CompletionStates(runner, prompts, max_new_tokens) if keep_states else None
     # One topk serves the teacher cache and the top-k/top-p candidates (temperature keeps the order).
     candidate_count = max(teacher_topk, ROW_CANDIDATES if sampling.top_k == 0 else sampling.top_k)
     share_candidates = teacher_topk or (not sampling.greedy and sampling.top_p < 1)
@@ -53,21 +59,48 @@ def generate_batch(runner, prompts: list[list[int]], uniforms: torch.Tensor, *, 
         next_ids = sample_rows(logits, uniforms[rows, t].to(device), sampling, candidates)  # [cache rows]
         next_cpu = next_ids.cpu()
         tokens[rows[alive], t] = next_cpu[alive]
+        sampled = alive.clone()  # the cache rows whose token t is part of their completion
         just_ended = alive & torch.isin(next_cpu, eos)
         lengths[rows[just_ended]] = t + 1
         finished_eos[rows[just_ended]] = True
         alive &= ~just_ended
-        if t == max_new_tokens - 1 or not alive.any():
+        last = t == max_new_tokens - 1 or not alive.any()
+        if last and states is None:
             break
-        if (~alive).sum() >= COMPACT_DEAD_FRACTION * len(alive):
-            keep = alive.nonzero().squeeze(-1)
+        # Rows ending now stay one more step when their last token's states are wanted.
+        staying = sampled if states is not None else alive
+        if not last and (~staying).sum() >= COMPACT_DEAD_FRACTION * len(alive):
+            keep = staying.nonzero().squeeze(-1)
             runner.keep(keep.to(device))
-            rows, alive, next_ids = rows[keep], alive[keep], next_ids[keep.to(device)]
+            rows, alive, sampled, next_ids = rows[keep], alive[keep], sampled[keep], next_ids[keep.to(device)]
         logits = runner.step(next_ids)
+        if states is not None:
+            states.add_step(rows[sampled], t, runner.hidden_states[sampled.to(device)])
+        if last:
+            break
     return [Completion(tokens[b, :n].numpy().astype(np.int32), "eos" if finished_eos[b] else "length",
                        topk_ids[b, :n].numpy() if teacher_topk else None,
-                       topk_logprobs[b, :n].numpy() if teacher_topk else None)
+                       topk_logprobs[b, :n].numpy() if teacher_topk else None,
+                       hidden=states.row(b, n) if states is not None else None)
             for b, n in enumerate(lengths.tolist())]
+
+
+class CompletionStates:
+    """The kept layers' states of each row's prompt (from the prefill) and completion tokens (one per step), bf16
+    on the CPU: [tokens, layers, H] per row, as a features file stores them."""
+
+    def __init__(self, runner, prompts: list[list[int]], max_new_tokens: int):
+        prefill = runner.hidden_states  # [B, L, layers, H], left-padded
+        L = prefill.shape[1]
+        self.prompts = [prefill[b, L - len(p):].to("cpu", torch.bfloat16) for b, p in enumerate(prompts)]
+        self.completions = torch.zeros((len(prompts), max_new_tokens) + prefill.shape[2:], dtype=torch.bfloat16)
+
+    def add_step(self, rows: torch.Tensor, t: int, hidden: torch.Tensor) -> None:
+        """hidden [len(rows), layers, H]: the states of token t of each of `rows` (original row indices)."""
+        self.completions[rows, t] = hidden.to("cpu", torch.bfloat16)
+
+    def row(self, b: int, n: int) -> torch.Tensor:
+        return torch.cat([self.prompts[b], self.completions[b, :n]])
 
 
 def prefill_shared(runner, prompts: list[list[int]], capacity: int) -> torch.Tensor:

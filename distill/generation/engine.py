@@ -6,7 +6,7 @@ stand behind it without reproducing the token-level interface.
 Two implementations: `runner_engine.RunnerEngine` (the project's batched runner and token loop) and
 `vllm_engine.VllmEngine` (vLLM in its own environment, behind a worker process); score mode with
 generate.features uses `feature_scoring.FeatureScoringEngine`, which also returns the stored states of a
-feature draft.
+feature draft (in generate mode the RunnerEngine's runner keeps them as it samples).
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ class Completion:
     topk_logprobs: np.ndarray | None = None
     """float32 [n, K]: their log-probabilities at temperature 1 (log_softmax of raw logits)."""
     hidden: torch.Tensor | None = None
-    """bf16 [prompt + completion tokens, L, H]: the states a feature draft reads (score mode with
-    generate.features: feature_scoring.py), written to the shard's features file."""
+    """bf16 [prompt + completion tokens, L, H]: the states a feature draft reads (generate.features: the
+    scoring forward's, feature_scoring.py, or the sampling runner's, batched_loop.py), written to the shard's
+    features file."""
 
 
 class Engine(Protocol):

@@ -36,7 +36,7 @@ def choose_engine(config: Config, cpu: bool) -> EngineChoice:
         return EngineChoice("project", "generate.rollout_draft: the project engine runs the draft and the target")
     started = recorded_engine(Path(g.out_dir)) if g.engine == "auto" else None
     if g.features and started != "vllm":
-        return EngineChoice("project", "generate.features: the project engine keeps the scoring forward's states")
+        return EngineChoice("project", "generate.features: the project engine keeps the target's states")
     if started == "project":
         return EngineChoice("project", f"generate.engine=auto: the project engine, which started {g.out_dir}")
     if g.engine == "auto" and started is None and config.target.startswith("tiny:"):

@@ -88,11 +88,12 @@ def features_spec(config: Config, device: torch.device, generate_dtype: str) -> 
     return spec
 
 
-def fill_missing(target, spec: FeatureSpec, out_dir: Path, owned_rows: dict[int, int], batch: tuple[int, int],
+def fill_missing(load_target, spec: FeatureSpec, out_dir: Path, owned_rows: dict[int, int], batch: tuple[int, int],
                  device) -> int:
-    """Features files for this rank's shards already on disk without a current one (a folder scored before
+    """Features files for this rank's shards already on disk without a current one (a folder made before
     generate.features, or a run killed between a shard and its features): `make features`' pass over them.
-    owned_rows: {shard index: planned rows}. Returns how many were written."""
+    load_target() gives the target, called only when a file is missing. owned_rows: {shard
+    index: planned rows}. Returns how many were written."""
     todo = {}
     for i, rows in owned_rows.items():
         path = out_dir / shard_name(i)
@@ -101,6 +102,7 @@ def fill_missing(target, spec: FeatureSpec, out_dir: Path, owned_rows: dict[int,
             if not is_current(path, digest):
                 todo[path] = digest
     if todo:
+        target = load_target()
         progress = BatchProgress("features of earlier shards", sum(r for _, r in todo.values()), "rows")
         for path, digest in todo.items():
             write_features(target, path, digest, spec.layers, batch, device, progress)

@@ -7,8 +7,9 @@ Each rank (RANK/WORLD_SIZE from torchrun; one plain process otherwise) owns shar
 i % world_size == rank and writes them atomically; a rerun after a kill finishes only the shards
 that are missing. Rank 0 writes manifest.json once every rank has passed the final barrier.
 generate.engine picks the project's batched runner or vLLM (a worker process in vLLM's own
-environment); both write the same shards. Score mode with generate.features also writes each shard's
-features file (a feature draft's stored teacher) from the scoring forward, right after the shard.
+environment); both write the same shards. With generate.features the project engine also writes each
+shard's features file (a feature draft's stored teacher) right after the shard: in score mode from the
+scoring forward, in generate mode from the sampling forwards themselves.
 """
 
 from __future__ import annotations
@@ -73,13 +74,13 @@ def run(config: Config) -> dict | None:
             # Not started yet: the plan and resume check come first, and a finished folder never starts vLLM.
             engine = cleanup.enter_context(VllmEngine(config, choice.vllm_version, tokenizer, cpu=cpu))
             context_length = engine.context_length
-        elif spec is not None:
+        elif spec is not None and g.mode == "score":
             model = load_target(config, ranks.device)
             engine = FeatureScoringEngine(model, spec.layers, eos_ids(tokenizer, model.generation_config),
                                           g.batch_size, config.distill.feature_batch_tokens, ranks.device)
             context_length = getattr(model.config, "max_position_embeddings", None)
         else:
-            model, runner = load_runner(config, ranks.device)
+            model, runner = load_runner(config, ranks.device, spec.layers if spec is not None else ())
             engine = RunnerEngine(runner, eos_ids(tokenizer, model.generation_config), g.batch_size,
                                   g.max_batch_tokens)
             if g.rollout_draft is not None:
@@ -95,7 +96,7 @@ def run(config: Config) -> dict | None:
         start_or_resume(out_dir, config, run_fingerprint, ranks)
         todo = missing_shards(out_dir, shards, ranks, g.stop_after_shards)
         if spec is not None:  # after missing_shards: the shards on disk have been checked readable
-            start_features(spec, engine, out_dir, shards, ranks)
+            start_features(spec, config, engine, out_dir, shards, ranks)
 
         tracker = start_wandb(config.wandb.mode, config.wandb.project, f"{config.name}-generate", out_dir / "wandb",
                               config_to_dict(config), job_type="generate-data") if ranks.rank == 0 else None
@@ -113,20 +114,20 @@ def run(config: Config) -> dict | None:
 
 # ----------------------------------------------------------------------------- setup
 
-def load_runner(config: Config, device: torch.device):
+def load_runner(config: Config, device: torch.device, hidden_layers: list[int] = ()):
     """The target behind a batched runner. The lean runner keeps fp32 weights and residual stream
     and, with generate.dtype bf16 (resolved: never 'auto' here), runs only its GEMMs in bf16; HF
-    forwards run wholly in it."""
+    forwards run wholly in it. hidden_layers: the layers generate.features keeps as it samples."""
     model = load_model(config.target, device=device, dtype=torch.float32)
-    return model, batched_runner(config, model)
+    return model, batched_runner(config, model, hidden_layers)
 
 
-def batched_runner(config: Config, model: torch.nn.Module):
+def batched_runner(config: Config, model: torch.nn.Module, hidden_layers: list[int] = ()):
     """`model` (the target, or a rollout draft) behind generate.backend's batched runner in generate.dtype."""
     g = config.generate
     matmul_dtype = torch.bfloat16 if g.dtype == "bf16" else None
     try:
-        return make_batched_runner(model, g.backend, matmul_dtype)
+        return make_batched_runner(model, g.backend, matmul_dtype, hidden_layers)
     except ValueError as e:  # e.g. backend 'lean' for a model the lean forward does not cover
         raise ConfigError(f"generate.backend {g.backend!r}: {e}") from e
 
@@ -152,15 +153,17 @@ def start_or_resume(out_dir: Path, config: Config, run_fingerprint: dict, ranks:
     check_or_write_plan(out_dir, run_fingerprint, write=False)
 
 
-def start_features(spec: FeatureSpec, engine: FeatureScoringEngine, out_dir: Path, shards: list[list[Row]],
+def start_features(spec: FeatureSpec, config: Config, engine: Engine, out_dir: Path, shards: list[list[Row]],
                    ranks: Ranks) -> None:
     """generate.features: rank 0 records what the folder's features are for, then every rank gives its shards
-    already on disk the features file they lack."""
+    already on disk the features file they lack, as `make features` would (the scoring engine's own target; in
+    generate mode the target loaded as `make features` loads it, only when a file is missing)."""
     if ranks.rank == 0:
         spec.write(features_dir(out_dir))
     ranks.barrier()
-    fill_missing(engine.target, spec, out_dir, {i: len(rows) for i, rows in enumerate(shards) if ranks.owns(i)},
-                 (engine.batch_size, engine.max_tokens), engine.device)
+    scoring_target = engine.target if isinstance(engine, FeatureScoringEngine) else None
+    fill_missing(lambda: scoring_target or load_target(config, ranks.device), spec, out_dir, {i: len(rows) for i, rows in enumerate(shards) if ranks.owns(i)},
+                 (config.generate.batch_size, config.distill.feature_batch_tokens), ranks.device)
 
 
 def missing_shards(out_dir: Path, shards: list[list[Row]], ranks: Ranks, stop_after: int) -> list[int]:
