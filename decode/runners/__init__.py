@@ -55,12 +55,10 @@ def make_batched_runner(model: torch.nn.Module, backend: str = "auto", matmul_dt
         raise ValueError(f"unknown backend {backend!r}; use 'auto', 'lean' or 'hf'")
     if VocabSubset.of(model) is not None:
         raise ValueError("batched runners serve targets; this is a vocabulary-subset draft")
-    if hidden_layers and not lean_supported(model):
-        raise ValueError(f"only the lean batched runner keeps hidden states, and it does not support "
-                         f"{type(model).__name__}")
+    if hidden_layers and (backend == "hf" or not lean_supported(model)):
+        raise ValueError(f"only the lean batched runner keeps hidden states (backend 'lean' or 'auto', a model it "
+                         f"supports; this is backend {backend!r} and a {type(model).__name__})")
     if backend == "hf" or (backend == "auto" and not lean_supported(model)):
-        if hidden_layers:
-            raise ValueError("only the lean batched runner keeps hidden states: use backend 'lean' or 'auto'")
         return HFBatchedRunner(model if matmul_dtype is None else model.to(matmul_dtype))
     if not lean_supported(model):
         raise ValueError(f"the lean batched runner does not support {type(model).__name__}")

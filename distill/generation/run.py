@@ -161,8 +161,10 @@ def start_features(spec: FeatureSpec, config: Config, engine: Engine, out_dir: P
     if ranks.rank == 0:
         spec.write(features_dir(out_dir))
     ranks.barrier()
-    scoring_target = engine.target if isinstance(engine, FeatureScoringEngine) else None
-    fill_missing(lambda: scoring_target or load_target(config, ranks.device), spec, out_dir, {i: len(rows) for i, rows in enumerate(shards) if ranks.owns(i)},
+    def target():
+        return engine.target if isinstance(engine, FeatureScoringEngine) else load_target(config, ranks.device)
+
+    fill_missing(target, spec, out_dir, {i: len(rows) for i, rows in enumerate(shards) if ranks.owns(i)},
                  (config.generate.batch_size, config.distill.feature_batch_tokens), ranks.device)
 
 
