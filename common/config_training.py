@@ -58,9 +58,15 @@ class GenerateConfig:
     generate.backend lean or auto). distill.precision must resolve to generate.dtype. Shards made without them
     get theirs, by `make features`' pass, when the folder is resumed with this on."""
     rollout_draft: str | None = None
-    """On-policy data: a draft folder (a run's final/) that samples every completion in place of the
-    target, which then scores it: its top-k per token at prefill cost, for training that draft further
-    (distill/generation/rollout.py, `make onpolicy`). The plan and manifest record the draft's hash."""
+    """On-policy data: a draft folder (a run's final/) that writes every completion in place of the target,
+    whose top-k per token labels it, for training that draft further (`make onpolicy`). A standalone draft
+    samples whole completions, which the target scores in one prefill (distill/generation/rollout.py); a
+    feature draft drafts generate.rollout_k tokens at a time from the target's states, as in the decoder, the
+    target reading each block in one forward that also gives the labels and the states generate.features
+    stores (distill/generation/feature_rollout.py; needs generate.features). The plan and manifest record
+    the draft's hash."""
+    rollout_k: int = 4
+    """A feature draft's rollouts: the tokens it drafts before the target reads them (the decoder's k)."""
     system_prompt: str | None = None
     """Optional system message placed before every prompt by the chat template."""
     max_prompts: int = 0
@@ -118,14 +124,11 @@ class GenerateConfig:
                 out.append(f"generate.vllm.{name} must be >= 0 (0 = vLLM's default)")
         if not 0 < self.vllm.gpu_memory_utilization <= 1:
             out.append(f"generate.vllm.gpu_memory_utilization: {self.vllm.gpu_memory_utilization} is outside (0, 1]")
-        for name in ("batch_size", "shard_size", "samples_per_prompt", "max_new_tokens"):
+        for name in ("batch_size", "shard_size", "samples_per_prompt", "max_new_tokens", "rollout_k"):
             if getattr(self, name) <= 0:
                 out.append(f"generate.{name} must be >= 1")
         if self.response_field is not None and self.mode != "score":
             out.append("generate.response_field is read in score mode only: set generate.mode=score")
-        if self.features and self.rollout_draft is not None:
-            out.append("generate.features stores the target's states for a feature draft; generate.rollout_draft "
-                       "rollouts train a standalone draft: set one of them")
         if self.features and self.mode == "generate" and self.backend == "hf":
             out.append("generate.features in generate mode keeps the lean runner's states: set generate.backend=lean "
                        "or auto (or run `make features` after generate-data)")
@@ -372,7 +375,8 @@ class OnPolicyConfig:
     """`make onpolicy`: rounds after `make distill` in which the draft samples completions for the training
     prompts, the target scores them (generate.rollout_draft) and training continues from that draft on the
     mixture of distill.data_dirs and the rollouts (distill/onpolicy.py; DistillSpec, arXiv 2310.08461).
-    A standalone draft only."""
+    A feature draft's rollouts draft generate.rollout_k tokens at a time from the target's states and keep
+    those states (generate.features)."""
     rounds: int = 1
     """Rounds to run; round r starts from round r - 1's draft (round 1 from distill.out_dir/final)."""
     weight: float = 0.5

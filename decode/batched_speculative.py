@@ -175,7 +175,7 @@ def _speculative_round(target: RaggedRunner, draft: RaggedRunner, live: list[_Ro
     """One draft-and-verify block for every live row; returns each row's (guesses, accepted guesses)."""
     blocks = []
     limits = [max(0, min(k, max_new_tokens - row.produced - 1)) for row in live]
-    drafted, draft_probs, looked_up, forwards = _draft(draft, live, limits, sampling, p_min)
+    drafted, draft_probs, looked_up, forwards = draft_guesses(draft, live, limits, sampling, p_min)
     width = 1 + max(map(len, drafted))
     tokens = torch.zeros(len(live), width, dtype=torch.long)
     for i, (row, guess) in enumerate(zip(live, drafted)):
@@ -205,9 +205,10 @@ def _speculative_round(target: RaggedRunner, draft: RaggedRunner, live: list[_Ro
     return blocks
 
 
-def _draft(draft: RaggedRunner, live: list[_Row], limits: list[int], sampling: SamplingParams, p_min: float
-           ) -> tuple[list[list[int]], list[list[torch.Tensor | None]], list[list[bool]], list[int]]:
-    """Up to limits[i] tokens per row, one batched draft forward per position the rows' lookups cannot fill:
+def draft_guesses(draft: RaggedRunner, live: list[_Row], limits: list[int], sampling: SamplingParams, p_min: float
+                  ) -> tuple[list[list[int]], list[list[torch.Tensor | None]], list[list[bool]], list[int]]:
+    """Up to limits[i] tokens per row (rows: committed, pending, generator and lookup as `_Row`'s), one batched
+    draft forward per position the rows' lookups cannot fill:
     every row first reads the tokens it has not read (pending, then looked-up guesses), then its own last guess.
     Returns each row's guesses, their draft probabilities (None: looked up, probability 1), which were looked
     up, and the draft forwards the row took part in."""

@@ -2,7 +2,8 @@
 
 Round r: (1) rollouts: the round's starting draft samples one completion per prompt of generate.sources at
 onpolicy.temperature, and the target scores each (generate-data with generate.rollout_draft, in the round's
-own folder, seed + r so every round draws new samples); (2) training continues from that draft on
+own folder, seed + r so every round draws new samples; a feature draft drafts generate.rollout_k tokens at a
+time from the target's states, as in the decoder, and the folder keeps those states: generate.features); (2) training continues from that draft on
 distill.data_dirs plus every round's rollouts so far, mixed by onpolicy.weight, for onpolicy.steps.
 Each stage runs as its own process (python -m distill.generate / distill.train) from a config written into
 the round's folder, so each resumes on its own after a kill; a rerun skips finished stages and rounds.
@@ -51,7 +52,7 @@ def round_configs(config: Config, r: int, start_draft: str) -> tuple[Config, Con
     generate = dataclasses.replace(
         config.generate, out_dir=str(folder / "rollouts"), mode="generate", rollout_draft=start_draft,
         response_field=None, temperature=op.temperature, max_prompts=op.max_prompts, samples_per_prompt=1,
-        engine="project")
+        engine="project", features=dc.draft_kind == "feature")
     rollouts = [str(onpolicy_root(config) / f"round-{i}" / "rollouts") for i in range(1, r + 1)]
     # The draft keeps start_draft's vocabulary subset (vocab_subset=0 with a pretrained init); the schedule
     # warms up again briefly and anneals over the round's steps.
@@ -66,10 +67,6 @@ def round_configs(config: Config, r: int, start_draft: str) -> tuple[Config, Con
 
 def check_onpolicy(config: Config) -> str:
     """Refuse what cannot run before any model loads; returns round 1's starting draft."""
-    if config.distill.draft_kind != "standalone":
-        raise ConfigError("make onpolicy trains a standalone draft (distill.draft_kind=standalone); a feature "
-                          "draft already trains on its own proposals: distill.ttt_steps unrolls it on its own "
-                          "hidden states from the target's features, as it drafts in the decoder")
     if config.generate.teacher_topk < 1:
         raise ConfigError("make onpolicy stores the target's top-k over the draft's rollouts: set "
                           "generate.teacher_topk >= 1 (the training data's own top-k, so the folders mix)")
@@ -77,8 +74,9 @@ def check_onpolicy(config: Config) -> str:
     # Imported here, not at the top: common.models brings in transformers (~6 s on 2 cores), which a bad setting
     # (the config's own checks and the two above) is reported without.
     from common.models import reference_problem
+    from decode.drafts.feature.model import feature_draft_problem
 
-    problem = reference_problem(first)
+    problem = feature_draft_problem(first) if config.distill.draft_kind == "feature" else reference_problem(first)
     if problem:
         raise ConfigError(f"onpolicy: round 1 starts from the draft `make distill` writes to {first}, and {problem}; "
                           "run `make distill` first")

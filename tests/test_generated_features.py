@@ -4,11 +4,13 @@ prompt + completion (the last token's included), the folder must be what `make f
 folder generated without them gets them on resume, and bad settings fail before any model loads. CPU, seconds."""
 
 import json
+import shutil
 
 import pytest
 import torch
 
 from common.config import ConfigError, load_config
+from common.models import load_model, model_hash
 from common.sampling import SamplingParams
 from decode.runners import make_batched_runner
 from decode.runners.batched import LeanBatchedRunner
@@ -18,7 +20,8 @@ from distill.generation.batched_loop import generate_batch
 from distill.generation.run import run
 from distill.training.feature_stored import StoredFeatures
 from distill.training.feature_teacher import forward_keeping_layers
-from tests.conftest import small_llama
+from distill.generation.plan import ResumeMismatch
+from tests.conftest import random_feature_draft, small_llama
 from tests.test_feature_stored import BF16_TOLERANCE
 from tests.test_feature_training import ROOT
 from tests.test_scored_features import shard_rows, stored_states
@@ -114,5 +117,54 @@ def test_generated_folder_is_what_make_features_makes(prompts, tmp_path):
 def test_bad_settings_fail_before_any_model_loads(prompts, tmp_path):
     with pytest.raises(ConfigError, match="generate.features in generate mode keeps the lean runner's states"):
         config(tmp_path / "a", prompts, "generate.features=true", "generate.backend=hf").validate()
-    with pytest.raises(ConfigError, match="generate.rollout_draft rollouts train a standalone draft"):
-        config(tmp_path / "a", prompts, "generate.features=true", "generate.rollout_draft=runs/x/final").validate()
+
+
+ROLLOUTS = ["generate.features=true", "generate.teacher_topk=4", "generate.dtype=fp32", "distill.precision=fp32"]
+
+
+@pytest.fixture(scope="module")
+def feature_draft(tmp_path_factory):
+    """A feature draft of tiny:target reading the layers FEATURES stores."""
+    folder = tmp_path_factory.mktemp("feature-draft")
+    random_feature_draft(load_model("tiny:target"), target_layers=(0, 1)).save(folder)
+    return folder
+
+
+def test_a_feature_drafts_rollouts_keep_the_states_make_features_would_store(prompts, feature_draft, tmp_path):
+    out, scored = tmp_path / "rollouts", tmp_path / "scored"
+    manifest = run(config(out, prompts, *ROLLOUTS, f"generate.rollout_draft={feature_draft}"))
+    recorded = manifest["fingerprint"]
+    assert manifest["complete"] and recorded["rollout_draft_hash"] == model_hash(str(feature_draft))
+    assert recorded["sampler"] == "feature-rollout-v1:k=4" and recorded == json.loads((out / "plan.json").read_text())
+    assert all(is_current(path, digest) for path, digest in shard_digests(out).items())
+    StoredFeatures([str(out)], FeatureSpec.of(config(out, prompts, *ROLLOUTS)))
+    # `make features` over the same shards, copied without their states, stores what the rollouts kept.
+    scored.mkdir()
+    for path in out.iterdir():
+        if path.is_file():
+            shutil.copy(path, scored / path.name)
+    assert store_features(["--config", str(ROOT / "configs/tiny.yaml"), *FEATURES, "distill.precision=fp32",
+                           f"distill.data_dirs=[{scored}]"])["written"] == 3
+    for a, b in zip(stored_states(out), stored_states(scored), strict=True):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a.float(), b.float(), rtol=BF16_TOLERANCE,
+                                   atol=BF16_TOLERANCE * float(b.float().abs().max()))
+    # A resume with another rollout draft is refused: the shards would mix two drafts' text.
+    other = tmp_path / "other"
+    random_feature_draft(load_model("tiny:target"), target_layers=(0, 1), seed=9).save(other)
+    with pytest.raises(ResumeMismatch, match="rollout_draft"):
+        run(config(out, prompts, *ROLLOUTS, f"generate.rollout_draft={other}"))
+
+
+@pytest.mark.parametrize("overrides, error", [
+    (["generate.features=false"], "is a feature draft, which trains on the target's states of its rollouts"),
+    (["distill.feature_layers=[0]"], r"reads the target's layers \[0, 1\], generate.features keeps layers \[0\]"),
+    (["generate.rollout_draft=tiny:draft"], "the standalone draft at generate.rollout_draft trains on tokens"),
+    (["generate.rollout_draft={missing}"], "generate.rollout_draft: model path .* does not exist"),
+])
+def test_bad_rollouts_fail_before_any_shard(prompts, feature_draft, tmp_path, overrides, error):
+    out = tmp_path / "rollouts"
+    overrides = [o.format(missing=tmp_path / "missing") for o in overrides]
+    with pytest.raises(ConfigError, match=error):
+        run(config(out, prompts, *ROLLOUTS, f"generate.rollout_draft={feature_draft}", *overrides))
+    assert not list(out.glob("shard-*"))

@@ -57,6 +57,31 @@ def test_a_round_trains_the_draft_on_its_own_rollouts_scored_by_the_target(disti
     assert json.loads((out / "rounds.json").read_text()) == [record]
 
 
+FEATURE = ["distill.draft_kind=feature", "distill.teacher=online", "distill.feature_layers=[0,1]",
+           "distill.vocab_subset=192", "distill.feature_batch_tokens=60"]
+
+
+def test_a_feature_drafts_round_trains_on_its_block_rollouts(tmp_path):
+    """Round 1 of a feature draft: its rollouts (k guesses at a time from the target's states) keep the target's
+    states, and training goes on from that feature draft on the mixture."""
+    from accelerate.state import AcceleratorState
+
+    generate(config_for(tmp_path, *FEATURE))
+    AcceleratorState._reset_state(True)
+    train(config_for(tmp_path, *FEATURE))
+    out = tmp_path / "onpolicy"
+    (record,) = run_onpolicy(config_for(tmp_path, *FEATURE, f"onpolicy.out_dir={out}", "generate.rollout_k=2"))
+    draft = str(tmp_path / "run" / "final")
+    assert record["draft"] == draft and record["draft_hash"] == model_hash(draft) and record["rollout_tokens"] > 0
+    rollouts = out / "round-1" / "rollouts"
+    plan = json.loads((rollouts / "plan.json").read_text())
+    assert plan["rollout_draft_hash"] == model_hash(draft) and plan["sampler"] == "feature-rollout-v1:k=2"
+    assert (rollouts / "features" / "features.json").is_file()
+    trained = load_config(out / "round-1" / "train.yaml")
+    assert trained.distill.init == draft and trained.distill.data_dirs == [str(tmp_path / "data"), str(rollouts)]
+    assert (out / "round-1" / "run" / "final" / "feature_draft.json").is_file() and 0 < record["alpha"] <= 1
+
+
 def test_the_mixture_gives_the_rollouts_their_weight():
     config = load_config(ROOT / "configs/tiny.yaml", ["distill.data_dirs=[a, b]", "distill.data_weights=[0.6, 0.2]",
                                                       "onpolicy.weight=0.5"])
@@ -66,7 +91,8 @@ def test_the_mixture_gives_the_rollouts_their_weight():
 @pytest.mark.parametrize("overrides, error", [
     (["distill.out_dir={tmp}/nothing"],
      r"round 1 starts from the draft `make distill` writes to .*run `make distill` first"),
-    (["distill.draft_kind=feature", "distill.teacher=online"], "make onpolicy trains a standalone draft"),
+    (["distill.draft_kind=feature", "distill.teacher=online", "distill.out_dir={tmp}/nothing"],
+     r"round 1 starts from .*feature draft folder .* does not exist"),
     (["generate.teacher_topk=0"], "set generate.teacher_topk >= 1"),
     (["onpolicy.weight=1.5"], r"onpolicy.weight: 1.5 is outside \[0, 1\]"),
     (["onpolicy.rounds=0"], "onpolicy.rounds must be >= 1"),

@@ -1,4 +1,5 @@
-"""On-policy data (generate.rollout_draft): the draft writes each completion, the target scores it.
+"""On-policy data (generate.rollout_draft): the draft writes each completion, the target scores it (a
+feature draft's rollouts: distill/generation/feature_rollout.py).
 
 DistillSpec (arXiv 2310.08461) and online speculative decoding (2310.07177) train the draft on its own
 samples labelled by the target: those are the contexts the decoder puts it in, and its rollouts cost
@@ -18,10 +19,17 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import torch
+
 from common.config import Config, ConfigError
-from common.models import check_tokenizers, load_model, load_tokenizer, model_hash
+from common.models import TOKENIZER_FILES, check_tokenizers, load_model, load_tokenizer, model_hash, \
+    reference_problem
+from decode.drafts.feature.model import CONFIG_FILE, FeatureDraft, check_target, feature_draft_problem, \
+    is_feature_draft
+from decode.vocab import model_vocab_size
 from distill.export.hf_full import full_vocab_model
-from distill.generation.engine import Completion, Engine
+from distill.generation.engine import Completion, Engine, eos_ids
+from distill.generation.feature_rollout import FeatureRolloutEngine
 from distill.generation.plan import Row
 from distill.generation.runner_engine import RunnerEngine
 
@@ -48,11 +56,27 @@ class RolloutEngine:
         return self.target_engine.score(rows, teacher_topk)
 
 
-def check_rollout_draft(config: Config, target_tokenizer) -> None:
-    """Refuse, before any model loads, a rollout draft made for another target: its tokenizer differs,
-    or the run that trained it (its config.yaml) names another target."""
+def check_rollout_draft(config: Config, target_tokenizer, feature_layers: list[int] | None) -> None:
+    """Refuse, before any model loads, a rollout draft that cannot load or was made for another target (its
+    tokenizer differs, or the run that trained it names another target), and rollouts whose states the folder
+    would not keep: a feature draft's without generate.features (feature_layers None) or of other layers, a
+    standalone draft's with them."""
     path = config.generate.rollout_draft
-    check_tokenizers(target_tokenizer, load_tokenizer(path))
+    feature = is_feature_draft(path)
+    problem = feature_draft_problem(path) if feature else reference_problem(path)
+    if problem:
+        raise ConfigError(f"generate.rollout_draft: {problem}")
+    if feature and feature_layers is None:
+        raise ConfigError(f"generate.rollout_draft: {path!r} is a feature draft, which trains on the target's states "
+                          "of its rollouts: set generate.features=true")
+    if feature and (layers := json.loads((Path(path) / CONFIG_FILE).read_text())["target_layers"]) != feature_layers:
+        raise ConfigError(f"generate.rollout_draft reads the target's layers {layers}, generate.features keeps "
+                          f"layers {feature_layers}: set distill.feature_layers={layers}")
+    if not feature and feature_layers is not None:
+        raise ConfigError("generate.features stores the target's states for a feature draft; the standalone draft "
+                          "at generate.rollout_draft trains on tokens: set one of them")
+    if not feature or any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        check_tokenizers(target_tokenizer, load_tokenizer(path))
     recorded = Path(path) / "config.yaml"
     if recorded.is_file():
         import yaml
@@ -64,12 +88,24 @@ def check_rollout_draft(config: Config, target_tokenizer) -> None:
 
 
 def rollout_engine(config: Config, target_engine: RunnerEngine, make_runner) -> RolloutEngine:
-    """The draft at generate.rollout_draft over the full vocabulary, behind the same kind of runner as
-    the target (`make_runner(model)`), in front of the target's engine."""
+    """The standalone draft at generate.rollout_draft over the full vocabulary, behind the same kind of runner
+    as the target (`make_runner(model)`), in front of the target's engine."""
     draft = full_vocab_model(load_model(config.generate.rollout_draft))
     engine = RunnerEngine(make_runner(draft), target_engine.eos_ids, target_engine.batch_size,
                           target_engine.max_batch_tokens)
     return RolloutEngine(engine, target_engine)
+
+
+def feature_rollout_engine(config: Config, device: torch.device, tokenizer) -> FeatureRolloutEngine:
+    """The feature draft at generate.rollout_draft and the target, both in generate.dtype, behind the batched
+    decoder's runners (distill/generation/feature_rollout.py)."""
+    g = config.generate
+    dtype = torch.bfloat16 if g.dtype == "bf16" else torch.float32
+    target = load_model(config.target, device=device, dtype=dtype)
+    draft = FeatureDraft.load(g.rollout_draft, device).to(dtype)
+    check_target(draft.config, target.config, model_vocab_size(target))
+    return FeatureRolloutEngine(target, draft, eos_ids(tokenizer, target.generation_config), g.rollout_k,
+                                g.batch_size, g.max_batch_tokens)
 
 
 def draft_identity(path: str) -> dict:

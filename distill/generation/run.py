@@ -29,6 +29,7 @@ from common.models import load_model, load_tokenizer, resolve_device
 from common.precision import resolve_dtype
 from common.progress import BatchProgress
 from common.tracking import start_wandb
+from decode.drafts.feature.model import is_feature_draft
 from decode.runners import make_batched_runner
 from distill.feature_store import FeatureSpec, features_dir, load_target, save_features
 from distill.generation.engine import Completion, Engine, eos_ids
@@ -37,7 +38,7 @@ from distill.generation.feature_scoring import FeatureScoringEngine, features_sp
 from distill.generation.manifest import write_manifest
 from distill.generation.plan import Row, check_or_write_plan, fingerprint, plan_rows, plan_shards
 from distill.generation.ranks import Ranks
-from distill.generation.rollout import check_rollout_draft, rollout_engine, rollout_record
+from distill.generation.rollout import check_rollout_draft, feature_rollout_engine, rollout_engine, rollout_record
 from distill.generation.runner_engine import RunnerEngine
 from distill.generation.shards import check_shard_readable, remove_stale_temp, rows_to_table, sha256_file, shard_name, \
     write_shard
@@ -47,7 +48,7 @@ from distill.generation.vllm_engine import VllmEngine
 def run(config: Config) -> dict | None:
     """Generate (or score) every missing shard of this rank; rank 0 returns the manifest."""
     config.validate()
-    config.check_model_refs("target", *(["generate.rollout_draft"] if config.generate.rollout_draft else []))
+    config.check_model_refs("target")
     g = config.generate
     cpu = resolve_device(config.device).type == "cpu"
     choice = choose_engine(config, cpu)
@@ -65,11 +66,11 @@ def run(config: Config) -> dict | None:
             print(dtype.line, file=sys.stderr)
         out_dir = Path(g.out_dir)
         tokenizer = load_tokenizer(config.target)
-        if g.rollout_draft is not None:
-            check_rollout_draft(config, tokenizer)
         if g.features and choice.name == "vllm":
             raise ConfigError(f"generate.features runs on the project engine: {g.out_dir} was started with vLLM")
         spec = features_spec(config, ranks.device, dtype.name) if g.features else None
+        if g.rollout_draft is not None:
+            check_rollout_draft(config, tokenizer, spec.layers if spec is not None else None)
         if choice.name == "vllm":
             # Not started yet: the plan and resume check come first, and a finished folder never starts vLLM.
             engine = cleanup.enter_context(VllmEngine(config, choice.vllm_version, tokenizer, cpu=cpu))
@@ -79,6 +80,9 @@ def run(config: Config) -> dict | None:
             engine = FeatureScoringEngine(model, spec.layers, eos_ids(tokenizer, model.generation_config),
                                           g.batch_size, config.distill.feature_batch_tokens, ranks.device)
             context_length = getattr(model.config, "max_position_embeddings", None)
+        elif g.rollout_draft is not None and is_feature_draft(g.rollout_draft):
+            engine = feature_rollout_engine(config, ranks.device, tokenizer)
+            context_length = engine.context_length
         else:
             model, runner = load_runner(config, ranks.device, spec.layers if spec is not None else ())
             engine = RunnerEngine(runner, eos_ids(tokenizer, model.generation_config), g.batch_size,
