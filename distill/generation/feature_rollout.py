@@ -103,7 +103,7 @@ def rollout_batch(target: RaggedRunner, drafter: RaggedFeatureDrafter, prompts: 
             row.pending = row.committed[kept:]
         finished = [i for i, row in enumerate(batch) if row.produced >= max_new_tokens
                     or cut_at_eos(row.committed[row.prompt_len:], eos)[1]]
-        unread = [i for i in finished if row_length(batch[i], eos) > batch[i].read]
+        unread = [i for i in finished if _row_length(batch[i], eos) > batch[i].read]
         if unread:  # a completion's last token: one forward reads it for its states
             _read(target, [[batch[i].committed[-1]] for i in unread], [batch[i] for i in unread], 0,
                   torch.tensor(unread))
@@ -134,7 +134,7 @@ def _read(target: RaggedRunner, texts: list[list[int]], rows: list[_Rollout], te
     return logits
 
 
-def row_length(row: _Rollout, eos: set[int]) -> int:
+def _row_length(row: _Rollout, eos: set[int]) -> int:
     """Prompt + completion tokens of a finished row (its text cut after the first EOS)."""
     return row.prompt_len + len(cut_at_eos(row.committed[row.prompt_len:], eos)[0])
 

@@ -89,7 +89,7 @@ class RaggedFeatureDrafter:
             tokens = torch.zeros(len(texts), longest, dtype=torch.long)
             for i, text in enumerate(texts):
                 tokens[i, : len(text)] = torch.tensor(text, dtype=torch.long)
-            self.forward(tokens, torch.tensor([len(t) for t in texts]), rows)
+            self.forward(tokens, torch.tensor([len(t) for t in texts]), rows, logits=False)
         return rows
 
     def _read_target(self) -> None:
@@ -106,10 +106,12 @@ class RaggedFeatureDrafter:
                 self.pending[row] = torch.cat([self.pending[row], fused[i, : int(target.lengths[row]) - start]])
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, counts: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, counts: torch.Tensor, rows: torch.Tensor | None = None,
+                logits: bool = True) -> torch.Tensor | None:
         """Read tokens [b, L], row i's first counts[i] of them. Returns fp32 logits [b, L, vocab]: at each
         read token, the draft's prediction of the next one (a row's first token, which has no position:
-        0 over the head rows)."""
+        0 over the head rows); None with logits=False (a prompt read on joining: [b, L, vocab] of them would
+        be ~3 GB for 64 prompts of 256 tokens over SmolLM2's 49,152 tokens)."""
         every_row, rows = rows is None, torch.arange(len(self.pending)) if rows is None else rows
         b, width = tokens.shape
         positions_fed = counts - ((self.tokens[rows] == 0) & (counts > 0)).long()  # a row's first token has none
@@ -132,6 +134,8 @@ class RaggedFeatureDrafter:
             if int(positions_fed[i]) > 0:
                 self.last_out[row] = out[i, int(positions_fed[i]) - 1]
         self.tokens[rows] += counts
+        if not logits:
+            return None
         # Align each row's outputs with its tokens: token start + t is read at position slot t.
         aligned = torch.zeros_like(out)
         for i in range(b):
