@@ -3,8 +3,9 @@
 Round r: (1) rollouts: the round's starting draft samples one completion per prompt of generate.sources at
 onpolicy.temperature, and the target scores each (generate-data with generate.rollout_draft, in the round's
 own folder, seed + r so every round draws new samples; a feature draft drafts generate.rollout_k tokens at a
-time from the target's states, as in the decoder, and the folder keeps those states: generate.features); (2) training continues from that draft on
-distill.data_dirs plus every round's rollouts so far, mixed by onpolicy.weight, for onpolicy.steps.
+time from the target's states, as in the decoder, and the folder keeps those states: generate.features);
+(2) training continues from that draft on distill.data_dirs plus every round's rollouts so far, mixed by
+onpolicy.weight, for onpolicy.steps.
 Each stage runs as its own process (python -m distill.generate / distill.train) from a config written into
 the round's folder, so each resumes on its own after a kill; a rerun skips finished stages and rounds.
 rounds.json records per round the draft that sampled (path, weights' hash, step), the folders, each
@@ -72,7 +73,7 @@ def check_onpolicy(config: Config) -> str:
                           "generate.teacher_topk >= 1 (the training data's own top-k, so the folders mix)")
     first = str(Path(config.distill.out_dir) / "final")
     # Imported here, not at the top: common.models brings in transformers (~6 s on 2 cores), which a bad setting
-    # (the config's own checks and the two above) is reported without.
+    # (the config's own checks and the one above) is reported without.
     from common.models import reference_problem
     from decode.drafts.feature.model import feature_draft_problem
 
