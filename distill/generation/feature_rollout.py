@@ -116,14 +116,15 @@ def rollout_batch(target: RaggedRunner, drafter: RaggedFeatureDrafter, prompts: 
 
 
 def _read(target: RaggedRunner, texts: list[list[int]], rows: list[_Rollout], teacher_topk: int,
-          cache_rows: torch.Tensor | None = None) -> torch.Tensor:
+          cache_rows: torch.Tensor | None = None) -> torch.Tensor | None:
     """The target reads texts[i] after row i's text (cache rows `cache_rows`, default all); each row keeps the
-    states and (teacher_topk > 0) the top-k at every token read. Returns fp32 logits [b, width, V]."""
+    states and (teacher_topk > 0) the top-k at every token read. Returns fp32 logits [b, width, V] (None with
+    teacher_topk 0: a last token read for its states alone needs none)."""
     tokens = torch.zeros(len(texts), max(map(len, texts)), dtype=torch.long)
     for i, text in enumerate(texts):
         tokens[i, : len(text)] = torch.tensor(text)
     counts = torch.tensor([len(text) for text in texts])
-    logits = target.forward(tokens, counts, cache_rows)
+    logits = target.forward(tokens, counts, cache_rows, logits=teacher_topk > 0)
     states = target.hidden_states.to("cpu", torch.bfloat16)  # [b, width, layers, H]
     top = logits.log_softmax(-1).topk(teacher_topk, dim=-1) if teacher_topk else None
     for i, (row, n) in enumerate(zip(rows, counts.tolist())):
