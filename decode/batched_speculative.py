@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.sampling import SamplingParams, sample
+from common.sampling import SamplingParams, draw_each, sample_each
 from decode.proposers import LookupProposer, check_lookup_ngram
 from decode.runners.ragged import RaggedRunner
 from decode.speculative import cut_at_eos, eos_set, verify_block, verify_greedy
@@ -164,8 +164,7 @@ def _target_round(target: RaggedRunner, live: list[_Row], sampling: SamplingPara
     """One token per row: target-only decoding."""
     tokens = torch.tensor([[row.committed[-1]] for row in live])
     logits = target.forward(tokens, torch.ones(len(live), dtype=torch.long))[:, 0]  # [B, V]
-    for row, row_logits in zip(live, logits):
-        token = int(row_logits.argmax()) if sampling.greedy else int(sample(sampling.warp(row_logits), row.generator))
+    for row, token in zip(live, draw_each(logits, sampling, [row.generator for row in live])):
         row.committed.append(token)
         row.stats.record_block(proposed=0, tried=0, accepted=0, emitted=1, draft_forwards=0)
 
@@ -182,14 +181,15 @@ def _speculative_round(target: RaggedRunner, draft: RaggedRunner, live: list[_Ro
         tokens[i, : 1 + len(guess)] = torch.tensor([row.committed[-1]] + guess)
     counts = torch.tensor([1 + len(guess) for guess in drafted])
     logits = target.forward(tokens, counts)  # [B, width, V]
+    if not sampling.greedy:  # every row's read positions warped at once, the padding left out
+        target_probs = sampling.warp(logits[torch.arange(width) < counts[:, None]]).split(counts.tolist())
     keep_target, keep_draft = [], []
     held = draft.lengths.tolist()
     for i, (row, guess) in enumerate(zip(live, drafted)):
-        target_logits = logits[i, : 1 + len(guess)]
         if sampling.greedy:
-            emitted, accepted = verify_greedy(guess, target_logits)
+            emitted, accepted = verify_greedy(guess, logits[i, : 1 + len(guess)])
         else:
-            emitted, accepted = verify_block(guess, draft_probs[i], sampling.warp(target_logits), row.generator)
+            emitted, accepted = verify_block(guess, draft_probs[i], target_probs[i], row.generator)
         before = len(row.committed)
         row.committed += emitted
         row.stats.record_block(proposed=len(guess), tried=min(len(guess), accepted + 1), accepted=accepted,
@@ -235,18 +235,18 @@ def draft_guesses(draft: RaggedRunner, live: list[_Row], limits: list[int], samp
             if on:
                 tokens[i, : len(u)] = torch.tensor(u)
         logits = draft.forward(tokens, counts)
-        last = logits[torch.arange(len(live)), (counts - 1).clamp(min=0)]  # [B, V]
-        for i, row in enumerate(live):
-            if not active[i]:
-                continue
-            if sampling.greedy:
-                token, probs = int(last[i].argmax()), None
-                confidence = float(last[i].float().softmax(-1).max()) if p_min else 1.0
-            else:
-                probs = sampling.warp(last[i])
-                token, confidence = int(sample(probs, row.generator)), float(probs.max())
+        rows = [i for i, on in enumerate(active) if on]
+        last = logits[rows, counts[rows] - 1]  # [R, V]: each drafting row's last position
+        if sampling.greedy:
+            guesses, probs = last.argmax(-1).tolist(), [None] * len(rows)
+            confidences = last.float().softmax(-1).amax(-1).tolist() if p_min else [1.0] * len(rows)
+        else:  # all rows warped and drawn at once, each from its own generator
+            probs = sampling.warp(last)
+            guesses = sample_each(probs, [live[i].generator for i in rows]).tolist()
+            confidences = probs.amax(-1).tolist()
+        for i, token, row_probs, confidence in zip(rows, guesses, probs, confidences):
             drafted[i].append(token)
-            draft_probs[i].append(probs)
+            draft_probs[i].append(row_probs)
             looked_up[i].append(False)
             unread[i] = [token]
             forwards[i] += 1

@@ -4,7 +4,7 @@ import pytest
 import torch
 from scipy import stats as scipy_stats
 
-from common.sampling import sample
+from common.sampling import SamplingParams, draw_each, sample, sample_each
 from decode.speculative import verify_block, verify_greedy
 
 
@@ -169,6 +169,24 @@ def test_sample_draws_each_row_from_its_distribution():
         counts[1, ids[1]] += 1
     for row in range(2):
         assert chi2_pvalue(counts[row], rows[row]) > P_MIN
+
+
+def test_rows_drawn_together_are_the_rows_drawn_one_by_one():
+    """sample_each / draw_each (the batched decoder's and the rollouts' draws) give row i what sample() gives it
+    with generators[i], and leave each generator where sample() leaves it, so a row's text depends on neither its
+    batch nor its neighbours."""
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(3)) * 3
+    for sampling in (SamplingParams(0.7, top_p=0.9), SamplingParams(1.0, top_k=20), SamplingParams(0.0)):
+        together = [torch.Generator().manual_seed(seed) for seed in range(5)]
+        alone = [torch.Generator().manual_seed(seed) for seed in range(5)]
+        for _ in range(3):
+            drawn = draw_each(logits, sampling, together)
+            one_by_one = [int(logits[i].argmax()) if sampling.greedy else int(sample(sampling.warp(logits[i]), g))
+                          for i, g in enumerate(alone)]
+            assert drawn == one_by_one
+        assert [g.get_state().tolist() for g in together] == [g.get_state().tolist() for g in alone]
+    probs = SamplingParams(0.7).warp(logits)
+    assert len(set(sample_each(probs, [torch.Generator().manual_seed(0)] * 5).tolist())) > 1  # one stream, 5 draws
 
 
 def test_sample_never_returns_past_the_last_token_with_mass(monkeypatch):

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from common.sampling import SamplingParams, sample
+from common.sampling import SamplingParams, draw_each
 from decode.api import build_ragged_runners
 from decode.batched_speculative import draft_guesses
 from decode.drafts.feature.model import FeatureDraft
@@ -90,9 +90,9 @@ def rollout_batch(target: RaggedRunner, drafter: RaggedFeatureDrafter, prompts: 
                        teacher_topk)  # [b, width, V]
         held = drafter.lengths.tolist()
         keep_target, keep_draft = [], []
-        for i, (row, guess) in enumerate(zip(batch, guesses)):
-            after = logits[i, len(guess)]  # the target's distribution after the last guess
-            token = int(after.argmax()) if sampling.greedy else int(sample(sampling.warp(after), row.generator))
+        after = logits[torch.arange(len(batch)), [len(guess) for guess in guesses]]  # [b, V]: after the last guess
+        tokens = draw_each(after, sampling, [row.generator for row in batch])
+        for i, (row, guess, token) in enumerate(zip(batch, guesses, tokens)):
             before = len(row.committed)
             row.committed += guess + [token]
             keep_target.append(len(row.committed) - 1)
