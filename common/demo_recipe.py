@@ -87,8 +87,9 @@ def this_machine(device: str = "auto") -> tuple[str, str, str]:
     from common.models import resolve_device
     from common.precision import isa_class, machine_class, resolve_dtype
     resolved = resolve_device(device)
-    machine = isa_class() if resolved.type == "cpu" else machine_class(resolved)
-    return machine, resolve_dtype("auto", resolved, "generate.dtype").name, machine_class(resolved)
+    described = machine_class(resolved)
+    machine = isa_class() if resolved.type == "cpu" else described
+    return machine, resolve_dtype("auto", resolved, "generate.dtype").name, described
 
 
 def main(argv: list[str] | None = None) -> str:

@@ -128,7 +128,7 @@ def sample_each(probs: torch.Tensor, generators: list[torch.Generator | None]) -
     if len(devices) == 1 and (device := devices.pop()) != probs.device:
         probs = probs.to(device)  # as sample() does: the draw runs where the generator lives
     uniforms = [torch.rand(1, generator=g, device=probs.device, dtype=torch.float64) for g in generators]
-    return inverse_cdf(probs.reshape(len(generators), -1), torch.cat(uniforms))
+    return inverse_cdf(probs, torch.cat(uniforms))
 
 
 def draw_each(logits: torch.Tensor, sampling: SamplingParams, generators: list[torch.Generator | None]) -> list[int]:

@@ -182,7 +182,8 @@ def _speculative_round(target: RaggedRunner, draft: RaggedRunner, live: list[_Ro
     counts = torch.tensor([1 + len(guess) for guess in drafted])
     logits = target.forward(tokens, counts)  # [B, width, V]
     if not sampling.greedy:  # every row's read positions warped at once, the padding left out
-        target_probs = sampling.warp(logits[torch.arange(width) < counts[:, None]]).split(counts.tolist())
+        read = (torch.arange(width) < counts[:, None]).to(logits.device)  # [B, width]
+        target_probs = sampling.warp(logits[read]).split(counts.tolist())
     keep_target, keep_draft = [], []
     held = draft.lengths.tolist()
     for i, (row, guess) in enumerate(zip(live, drafted)):
